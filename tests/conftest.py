@@ -138,6 +138,22 @@ TINY_SPECS = {
     # GLM-4 (0414): q/k/v biases, gate/up fused in the checkpoint, four norms a layer (GLM-4's names) and RoPE on half
     # of each head rotating adjacent pairs (its q and k rows reordered as they load), GQA.
     "tiny-glm4": TinySpec(kind="glm4", num_heads=4, num_kv_heads=2, head_dim=32, seed=16, partial_rotary_factor=0.5),
+    # gpt-oss: a sink logit per head, biases on q/k/v and o, every other layer a window of 8 (the first too), YaRN
+    # (factor 32 over an original 64 positions, untruncated), 8 experts with biases, 2 a token, interleaved gate and up
+    # clamped at 2 (transformers' 7 would rarely bite at these weights), GQA; and its experts as MXFP4 blocks.
+    "tiny-gpt-oss": TinySpec(
+        kind="gpt_oss", num_heads=4, num_kv_heads=2, head_dim=16, seed=17, sliding_window=8, swiglu_limit=2.0
+    ),
+    "tiny-gpt-oss-mxfp4": TinySpec(
+        kind="gpt_oss",
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        seed=18,
+        sliding_window=8,
+        swiglu_limit=2.0,
+        mxfp4=True,
+    ),
     # Qwen3 with YaRN (factor 4 over an original 32 positions: most prompts run past it, where it interpolates).
     "tiny-qwen3-yarn": TinySpec(
         kind="qwen3",

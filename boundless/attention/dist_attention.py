@@ -157,6 +157,55 @@ class DistributedAttention:
     ) -> torch.Tensor:
         if not meta.plans:
             return self.local.forward(q, k, v, cache, meta.inner, window)
+        local, remote = self._partials(q, k, v, cache, meta, window)
+        started = time.perf_counter()
+        rows = meta.remote_rows
+        assert rows is not None
+        out = merge_partials([local])
+        out[rows] = merge_partials([self._remote_rows(local, remote, meta)]).to(out.dtype)
+        self._merged_since(started)
+        return out
+
+    def forward_partial(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        meta: DistMetadata,
+        window: int | None = None,
+    ) -> AttentionPartial:
+        """As :meth:`forward`, the merged partial of every row rather than its output (a model with sinks merges them
+        after: ``merge_with_sinks``)."""
+        if not meta.plans:
+            return self.local.forward_partial(q, k, v, cache, meta.inner, window)
+        local, remote = self._partials(q, k, v, cache, meta, window)
+        started = time.perf_counter()
+        rows = meta.remote_rows
+        assert rows is not None
+        merged = self._remote_rows(local, remote, meta)  # (of copies of local's rows: written back in place)
+        local.m[rows], local.e[rows] = merged.m.to(local.m.dtype), merged.e.to(local.e.dtype)
+        local.o[rows] = merged.o.to(local.o.dtype)
+        self._merged_since(started)
+        return local
+
+    def _merged_since(self, started: float) -> None:
+        spent = time.perf_counter() - started
+        self.stats.merge_s += spent
+        self.stats.layer_s += spent
+
+    def _partials(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        meta: DistMetadata,
+        window: int | None,
+    ) -> tuple[AttentionPartial, list[tuple[_CreditorPlan, AttentionPartial]]]:
+        """The step's local partial of every row and each creditor's of the rows it was sent, its queries sent first
+        so that the creditors compute while the local backend does; with ``agree``, the failures settled after the
+        last layer."""
         started = time.perf_counter()
         layer = self._layers[cache[0].data_ptr()]
         pending: list[tuple[_CreditorPlan, PendingPartial | None]] = []
@@ -177,7 +226,6 @@ class DistributedAttention:
         local_done = time.perf_counter()
         remote = [(plan, self._collect(plan, p, meta, local.o).to(q.device)) for plan, p in pending if p is not None]
         collected = time.perf_counter()
-        out = self._merge(local, remote, meta)
         if self.agree is not None and layer == self._last_layer:
             self._settle(meta, q.device)
         done = time.perf_counter()
@@ -187,10 +235,9 @@ class DistributedAttention:
         s.send_s += sent - started
         s.local_s += local_done - sent
         s.exposed_s += collected - local_done
-        s.merge_s += done - collected
         per_layer = self.client.stats.per_layer_exposed_s
         per_layer[layer] = per_layer.get(layer, 0.0) + collected - local_done
-        return out
+        return local, remote
 
     def _collect(
         self, plan: _CreditorPlan, pending: PendingPartial, meta: DistMetadata, like: torch.Tensor
@@ -222,10 +269,11 @@ class DistributedAttention:
             raise RemotePartialError(failed[0], why.removeprefix(f"creditor {failed[0]}: "))
 
     @staticmethod
-    def _merge(
+    def _remote_rows(
         local: AttentionPartial, remote: list[tuple[_CreditorPlan, AttentionPartial]], meta: DistMetadata
-    ) -> torch.Tensor:
-        """Rows with remote blocks: the merge of the local partial and each creditor's; others: local alone."""
+    ) -> AttentionPartial:
+        """The partial of the rows with remote blocks (``meta.remote_rows``, in order): the merge of the local partial
+        and each creditor's (the other rows keep the local partial alone)."""
         rows = meta.remote_rows
         assert rows is not None
         sub = AttentionPartial(m=local.m[rows], e=local.e[rows], o=local.o[rows])
@@ -243,7 +291,4 @@ class DistributedAttention:
                 )
                 full.m[where], full.e[where], full.o[where] = part.m[reply], part.e[reply], part.o[reply]
                 parts.append(full)
-        merged = combine_partials(parts)
-        out = merge_partials([local])
-        out[rows] = merge_partials([merged]).to(out.dtype)
-        return out
+        return combine_partials(parts)

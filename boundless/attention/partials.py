@@ -154,3 +154,12 @@ def merge_partials(parts: Sequence[AttentionPartial], out: torch.Tensor | None =
     merged = combine_partials(parts)
     e = merged.e.clamp_min(_TINY.get(merged.e.dtype) or torch.finfo(merged.e.dtype).tiny)
     return torch.div(merged.o, e if e.dtype == merged.o.dtype else e.to(merged.o.dtype), out=out)
+
+
+def merge_with_sinks(part: AttentionPartial, sinks: torch.Tensor) -> torch.Tensor:
+    """The attention output of ``part`` (rows [tokens, heads, ...]) with a sink per head (gpt-oss's): a learned logit
+    ``sinks[h]`` in every row's softmax whose value is zero, so it only takes its share of the weight, ``o / (e +
+    exp(sink - m))``. It is one more key of every row, merged once after the partials over every real key (local,
+    lent) are; a row that attended to nothing is zero."""
+    denominator = part.e + torch.exp(sinks.float().view(-1, 1) - part.m)
+    return part.o / denominator.to(part.o.dtype)

@@ -40,8 +40,9 @@ def make_prompts(loaded: LoadedModel, num_prompts: int, input_len: int, seed: in
 
 
 HF_ATTENTION = "sdpa"  # transformers' attention implementation in the comparison (PyTorch's fused kernels)
-# Models whose scores transformers caps (Gemma 2's soft cap), which PyTorch's fused kernels cannot: its eager attention.
-HF_EAGER_ARCHITECTURES = ("gemma2",)
+# Models whose attention PyTorch's fused kernels cannot compute (Gemma 2's soft cap of the scores, gpt-oss's sinks): its
+# eager attention.
+HF_EAGER_ARCHITECTURES = ("gemma2", "gpt_oss")
 
 
 def load_hf_reference(loaded: LoadedModel):
@@ -62,6 +63,9 @@ def load_hf_reference(loaded: LoadedModel):
         if loaded.hf_overrides:  # (--hf-overrides: transformers' config made from the same keys)
             config = hf_config(path, loaded.hf_overrides)
             options["config"] = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
+        if (hf_config(path).get("quantization_config") or {}).get("quant_method") == "mxfp4":
+            # (gpt-oss's MXFP4 experts dequantized: transformers' MXFP4 kernels come from the Hub, and need a GPU)
+            options["quantization_config"] = transformers.Mxfp4Config(dequantize=True)
         model = AutoModelForCausalLM.from_pretrained(str(path), **options)
     # (transformers decorates PreTrainedModel.to with functools.wraps, which mypy does not bind as a method.)
     return model.to(loaded.device).eval()  # type: ignore[arg-type]

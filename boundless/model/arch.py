@@ -10,6 +10,7 @@ from typing import Any
 
 SUPPORTED_ARCHITECTURES = (
     "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "granite", "glm4",
+    "gpt_oss",
 )  # fmt: skip
 # The architectures that norm each query and key head before RoPE (ModelArch.qk_norm), whatever the file format.
 QK_NORM_ARCHITECTURES = ("qwen3", "qwen3_moe", "gemma3_text")
@@ -44,6 +45,28 @@ CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
         "head_dim": 128,
         "num_key_value_heads": 2,
         "rms_norm_eps": 1.5625e-07,
+    },
+    # (GptOssConfig's: YaRN over a 4,096-token original context to 131,072, every other layer a 128-token window from
+    # the first, biases on every projection of attention.)
+    "gpt_oss": {
+        "head_dim": 64,
+        "num_key_value_heads": 8,
+        "sliding_window": 128,
+        "rms_norm_eps": 1e-5,
+        "attention_bias": True,
+        "max_position_embeddings": 131072,
+        "num_experts_per_tok": 4,
+        "swiglu_limit": 7.0,
+        "swiglu_alpha": 1.702,
+        "rope_theta": 150000.0,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
     },
     "gemma3_text": {
         **_GEMMA_DEFAULTS,
@@ -196,6 +219,12 @@ class ModelArch:
     MLP's outputs normed before they join the stream (``sandwich_norms``, plain RMSNorms), and RoPE on half of each
     head, rotating adjacent pairs (``rope_interleaved``: its q and k rows are reordered as they load so that the
     rotate-half kernels serve it).
+
+    gpt-oss (``gpt_oss``, OpenAI's): biases on q/k/v and on o (``o_bias``), a learned logit per query head that takes
+    its share of each softmax and adds nothing to the output (``attention_sinks``), every other layer a sliding
+    window, and in every layer a mixture of experts whose router and experts have biases and whose activation is a
+    clamped SwiGLU (``(clamp(up, ±limit) + 1) * g * sigmoid(alpha g)`` for ``g = min(gate, limit)``,
+    ``swiglu_limit`` and ``swiglu_alpha``); its norms keep their weights in fp32 and round after them, as Gemma's.
     """
 
     model_type: str
@@ -232,6 +261,10 @@ class ModelArch:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    o_bias: bool = False
+    attention_sinks: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float | None = None
 
     def __post_init__(self) -> None:
         sizes = {
@@ -297,6 +330,18 @@ class ModelArch:
         return self.hidden_size**0.5 if self.model_type in GEMMA_ARCHITECTURES else self.embedding_multiplier
 
     @property
+    def fp32_norms(self) -> bool:
+        """Whether the RMSNorms hold their weights in fp32 whatever the model's dtype and round once, after the weight
+        (transformers' Gemma3RMSNorm and GptOssRMSNorm; ``RMSNorm.fp32_weight``), rather than round the normed row
+        before it (Llama's)."""
+        return self.model_type in (*GEMMA_ARCHITECTURES, "gpt_oss")
+
+    @property
+    def expert_biases(self) -> bool:
+        """Whether a mixture's router and experts have biases (gpt-oss's), as its checkpoint holds them."""
+        return self.model_type == "gpt_oss"
+
+    @property
     def norm_weight_offset(self) -> float:
         """What a checkpoint's RMSNorm weights lack: Gemma saves ``w`` for a norm that multiplies by ``1 + w``."""
         return 1.0 if self.model_type in GEMMA_ARCHITECTURES else 0.0
@@ -340,9 +385,12 @@ class ModelArch:
             del fields["full_attention_layers"]
         later = (
             "local_rope_theta", "query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap",
-            "attention_multiplier",
+            "attention_multiplier", "swiglu_limit", "swiglu_alpha",
         )  # fmt: skip
         ones = ("partial_rotary_factor", "embedding_multiplier", "residual_multiplier", "logits_scaling")
+        for name in ("o_bias", "attention_sinks"):
+            if not fields[name]:
+                del fields[name]
         for name, default in (("hidden_act", "silu"), *((n, 1.0) for n in ones), *((n, None) for n in later)):
             if fields[name] == default:
                 del fields[name]
@@ -438,7 +486,9 @@ class ModelArch:
             )
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        use_window = cfg.get("use_sliding_window", model_type in ("mistral", "mixtral", "phi3", *GEMMA_ARCHITECTURES))
+        use_window = cfg.get(
+            "use_sliding_window", model_type in ("mistral", "mixtral", "phi3", "gpt_oss", *GEMMA_ARCHITECTURES)
+        )
         num_layers = cfg["num_hidden_layers"]
         window = cfg.get("sliding_window") if use_window else None
         full_layers: tuple[int, ...] = ()
@@ -446,10 +496,12 @@ class ModelArch:
             # (As transformers: a saved config's layer_types, else Qwen's first max_window_layers attend it all, and
             # Gemma's every sliding_window_pattern-th layer.)
             types = cfg.get("layer_types")
-            if types and model_type in ("qwen2", "qwen3", *GEMMA_ARCHITECTURES):  # (Qwen3-MoE's every layer slides)
+            if types and model_type in ("qwen2", "qwen3", "gpt_oss", *GEMMA_ARCHITECTURES):  # (Qwen3-MoE's all slide)
                 full_layers = tuple(i for i, kind in enumerate(types) if kind != "sliding_attention")
             elif model_type in ("qwen2", "qwen3"):
                 full_layers = tuple(range(min(num_layers, int(cfg.get("max_window_layers", 28)))))
+            elif model_type == "gpt_oss":  # (GptOssConfig's: the even layers slide, the odd ones see it all)
+                full_layers = tuple(range(1, num_layers, 2))
             elif gemma:  # (Gemma 2's every other layer, Gemma 3's every 6th)
                 pattern = int(cfg.get("sliding_window_pattern") or (2 if model_type == "gemma2" else 6))
                 full_layers = tuple(i for i in range(num_layers) if (i + 1) % pattern == 0)
@@ -457,7 +509,8 @@ class ModelArch:
                 window, full_layers = None, ()
         # (transformers 5 saves Qwen3-MoE's num_experts as num_local_experts, Mixtral's name, which it maps it to.)
         qwen3_experts = cfg.get("num_experts") or cfg.get("num_local_experts")
-        experts_by_type = {"qwen3_moe": int(qwen3_experts or 0), "mixtral": int(cfg.get("num_local_experts") or 0)}
+        local_experts = int(cfg.get("num_local_experts") or 0)
+        experts_by_type = {"qwen3_moe": int(qwen3_experts or 0), "mixtral": local_experts, "gpt_oss": local_experts}
         experts = experts_by_type.get(model_type, 0)
         expert_size = cfg.get("moe_intermediate_size") if model_type == "qwen3_moe" else cfg.get("intermediate_size")
         step = int(cfg.get("decoder_sparse_step") or 1)
@@ -476,13 +529,18 @@ class ModelArch:
             rope_theta=float(theta),
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or (model_type == "glm4" and bool(cfg.get("attention_bias"))),
+            qkv_bias=model_type == "qwen2" or (model_type in ("glm4", "gpt_oss") and bool(cfg.get("attention_bias"))),
+            o_bias=model_type == "gpt_oss" and bool(cfg.get("attention_bias")),
+            attention_sinks=model_type == "gpt_oss",
+            swiglu_limit=float(cfg["swiglu_limit"]) if model_type == "gpt_oss" else None,
+            swiglu_alpha=float(cfg["swiglu_alpha"]) if model_type == "gpt_oss" else None,
             qk_norm=model_type in QK_NORM_ARCHITECTURES,
             num_experts=experts,
             num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
             moe_intermediate_size=int(expert_size or 0) if experts else 0,
-            # (Mixtral always renormalizes its chosen experts' weights.)
-            norm_topk_prob=(model_type == "mixtral" or bool(cfg.get("norm_topk_prob", False))) if experts else False,
+            # (Mixtral always renormalizes its chosen experts' weights; gpt-oss takes the softmax of their logits alone,
+            # the same weights.)
+            norm_topk_prob=bool(experts) and (model_type in ("mixtral", "gpt_oss") or bool(cfg.get("norm_topk_prob"))),
             sparse_layers=sparse,
             rope_scaling=scaling,
             sliding_window=window,

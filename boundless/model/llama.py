@@ -1,5 +1,5 @@
-"""A Llama-family decoder (Llama 2/3, Mistral, Mixtral, Phi-3, Qwen2, Qwen3, Qwen3-MoE, SmolLM2) in our own PyTorch
-modules.
+"""A Llama-family decoder (Llama 2/3, Mistral, Mixtral, Phi-3, Qwen2, Qwen3, Qwen3-MoE, Gemma 2/3, Granite, GLM-4,
+gpt-oss, SmolLM2) in our own PyTorch modules.
 
 The model takes a flat batch: every token of every sequence in one dimension, with its position,
 and an attention context prepared once per step. It never sees padding. Weights load from Hugging
@@ -24,6 +24,7 @@ from torch import nn
 
 from boundless import native
 from boundless.attention.backend import AttentionBackend, soft_cap
+from boundless.attention.partials import merge_with_sinks
 from boundless.config import ConfigError
 from boundless.kv.tensors import PagedKVCache
 from boundless.model import cpu_kernels
@@ -194,16 +195,7 @@ class _PackedLayer:
             )
             self.down = cpu_kernels.PackedWeight(layer.down_weight, storage=take(layer.down_weight))
         # A sparse layer's experts, each packed as a dense MLP is (SiLU(gate) * up in the first matmul's epilogue).
-        self.experts: list[tuple[cpu_kernels.PackedWeight, cpu_kernels.PackedWeight]] = []
-        if layer.moe is not None:
-            layer.moe.packed_router = cpu_kernels.PackedWeight(layer.moe.router)
-            for gate_up, down in zip(layer.moe.gate_up, layer.moe.down, strict=True):
-                self.experts.append(
-                    (
-                        cpu_kernels.PackedWeight(gate_up, glu=True, storage=take(gate_up, glu=True)),
-                        cpu_kernels.PackedWeight(down, storage=take(down)),
-                    )
-                )
+        self.experts = [] if layer.moe is None else layer.moe.pack(take)
         q_norm, k_norm = layer.q_norm, layer.k_norm
         self.head_norm = (
             None
@@ -218,8 +210,7 @@ class _PackedLayer:
         if layer.gate_up_weight is not None and layer.down_weight is not None:
             total += size(layer.gate_up_weight.shape, glu=True) + size(layer.down_weight.shape)
         if layer.moe is not None:
-            experts = layer.moe.gate_up.shape[0]
-            total += experts * (size(layer.moe.gate_up.shape[1:], glu=True) + size(layer.moe.down.shape[1:]))
+            total += layer.moe.packed_size()
         return total
 
 
@@ -245,23 +236,26 @@ class DecoderLayer(nn.Module):
         self.qkv_weight = nn.Parameter(torch.empty(q_size + 2 * kv_size, arch.hidden_size))
         self.qkv_bias = nn.Parameter(torch.zeros(q_size + 2 * kv_size)) if arch.qkv_bias else None
         self.o_weight = nn.Parameter(torch.empty(arch.hidden_size, q_size))
+        self.o_bias = nn.Parameter(torch.zeros(arch.hidden_size)) if arch.o_bias else None
+        # gpt-oss's sink logit per query head (attention_sinks), or None.
+        self.sinks = nn.Parameter(torch.zeros(arch.num_heads)) if arch.attention_sinks else None
         self.moe = SparseMoE(arch) if index in arch.sparse_layers else None
         self.gate_up_weight: nn.Parameter | None = None
         self.down_weight: nn.Parameter | None = None
         if self.moe is None:
             self.gate_up_weight = nn.Parameter(torch.empty(2 * arch.intermediate_size, arch.hidden_size))
             self.down_weight = nn.Parameter(torch.empty(arch.hidden_size, arch.intermediate_size))
-        gemma = arch.norm_weight_offset != 0  # (Gemma's norms: weights in fp32, rounded once)
-        self.input_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, gemma)
-        self.post_attention_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, gemma)
+        fp32 = arch.fp32_norms  # (Gemma's and gpt-oss's norms: weights in fp32, rounded once)
+        self.input_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, fp32)
+        self.post_attention_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, fp32)
         # Qwen3 and Gemma 3: an RMSNorm over each query and each key head, before RoPE.
-        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, gemma) if arch.qk_norm else None
-        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, gemma) if arch.qk_norm else None
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, fp32) if arch.qk_norm else None
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, fp32) if arch.qk_norm else None
         # Gemma and GLM-4: attention's and the MLP's outputs normed before they join the residual stream (Gemma's
         # checkpoint's post_attention_layernorm and post_feedforward_layernorm, its pre_feedforward_layernorm being
         # post_attention_norm here, the norm before the MLP; GLM-4's post_self_attn_layernorm and post_mlp_layernorm).
-        self.attn_out_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, gemma) if arch.sandwich_norms else None
-        self.mlp_out_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, gemma) if arch.sandwich_norms else None
+        self.attn_out_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, fp32) if arch.sandwich_norms else None
+        self.mlp_out_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, fp32) if arch.sandwich_norms else None
         self.packed: _PackedLayer | None = None  # set by LlamaModel.prepare on the native path
         # --quantization fp8: each dense matrix's scale per output row (its weight then in e4m3); None: unquantized.
         self.qkv_scale: torch.Tensor | None = None
@@ -303,13 +297,8 @@ class DecoderLayer(nn.Module):
         if moe is None or not fp32:
             self.widened_experts = []
             return
-        if moe.packed_router is None:
-            moe.packed_router = cpu_kernels.PackedWeight(moe.router)
-        if not self.widened_experts:
-            self.widened_experts = [
-                (cpu_kernels.PackedWeight(gate_up, glu=True), cpu_kernels.PackedWeight(down))
-                for gate_up, down in zip(moe.gate_up, moe.down, strict=True)
-            ]
+        if not self.widened_experts or moe.packed_router is None:
+            self.widened_experts = moe.pack()
 
     def product(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """``x`` times the matrix ``name`` (qkv, o, gate_up or down), with its bias: the PyTorch path's products."""
@@ -356,9 +345,9 @@ class DecoderLayer(nn.Module):
         self._norm_heads_(heads)
         apply_rotary_(self._rotated(heads), cos, sin)
         q, k, v = (part.view(t, -1, self.head_dim) for part in qkv.split(self.qkv_sizes, dim=-1))
-        attn = attention.forward(q, k, v, cache, attn_meta, self.window).reshape(t, -1)
+        attn = self._attend(attention, q, k, v, cache, attn_meta).reshape(t, -1)
         out = self.product("o", attn)
-        out = self._summed(out if lora is None else lora.add_(index, O_PROJ, attn, out))
+        out = self._summed(out if lora is None else lora.add_(index, O_PROJ, attn, out), self.o_bias)
         hidden += self._scaled(out if self.attn_out_norm is None else self.attn_out_norm(out))
         x = self.post_attention_norm(hidden)
         if self.moe is not None:
@@ -384,11 +373,28 @@ class DecoderLayer(nn.Module):
         ``rotary_dim`` of each head (all of them but for a partial rotary factor)."""
         return heads if self.rotary_dim == self.head_dim else heads[..., : self.rotary_dim]
 
-    def _summed(self, partial: torch.Tensor) -> torch.Tensor:
-        """A row-parallel product (o, down) summed over the tensor-parallel ranks, in place; itself on one device."""
+    def _summed(self, partial: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """A row-parallel product (o, down) summed over the tensor-parallel ranks, in place; itself on one device.
+        ``bias``: its bias (gpt-oss's o), added once, after the sum."""
         if self.reduce is not None:
             self.reduce(partial)
-        return partial
+        return partial if bias is None else partial.add_(bias)
+
+    def _attend(
+        self,
+        attention: AttentionBackend,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        attn_meta: Any,
+    ) -> torch.Tensor:
+        """The backend's attention of the layer (its window), storing the step's keys and values; with sinks
+        (gpt-oss's), its partial merged with them (``merge_with_sinks``): every backend offers ``forward_partial``."""
+        if self.sinks is None:
+            return attention.forward(q, k, v, cache, attn_meta, self.window)
+        part = attention.forward_partial(q, k, v, cache, attn_meta, self.window)  # type: ignore[attr-defined]
+        return merge_with_sinks(part, self.sinks)
 
     def forward_fused(
         self,
@@ -420,11 +426,11 @@ class DecoderLayer(nn.Module):
         self._norm_heads_(heads)
         ops.rotary_(self._rotated(heads), positions, rope.cos, rope.sin)
         q, k, v = (part.view(t, -1, self.head_dim) for part in qkv.split(self.qkv_sizes, dim=-1))
-        attn = attention.forward(q, k, v, cache, attn_meta, self.window).reshape(t, -1)
+        attn = self._attend(attention, q, k, v, cache, attn_meta).reshape(t, -1)
         out = self.product("o", attn)
         if lora is not None:
             lora.add_(index, O_PROJ, attn, out)
-        out = self._summed(out)
+        out = self._summed(out, self.o_bias)
         if self.attn_out_norm is not None:
             out = self.attn_out_norm.fused(out)
         # hidden += o_proj(attn), and its norm, in one kernel.
@@ -476,13 +482,15 @@ class DecoderLayer(nn.Module):
                 step.qkv, heads, self.head_dim, self.rotary_dim, step.positions, rope.cos, rope.sin, packed.head_norm
             )
         # (reshape: a backend's output may be strided so that no view flattens it, PyTorch's for some head sizes)
-        attn = attention.forward(step.q, step.k, step.v, cache, attn_meta, self.window).reshape(x.shape[0], -1)
+        attn = self._attend(attention, step.q, step.k, step.v, cache, attn_meta).reshape(x.shape[0], -1)
         if attn.stride(1) != 1 or attn.stride(0) != attn.shape[1]:
             attn = attn.contiguous()
         post, attn_out_norm, mlp_out_norm = self.post_attention_norm, self.attn_out_norm, self.mlp_out_norm
         gate_up, down = packed.gate_up, packed.down
         # (The products go straight into the stream where nothing comes between: no sum over ranks, norm or multiplier.)
-        direct = self.reduce is None and attn_out_norm is None and self.residual_multiplier == 1.0
+        direct = (
+            self.reduce is None and attn_out_norm is None and self.residual_multiplier == 1.0 and self.o_bias is None
+        )
         if (gate_up is not None and down is not None and direct) and (
             not self.gelu and (lora is None or not any(lora.touches(index, t) for t in (O_PROJ, GATE_UP, DOWN)))
         ):
@@ -499,7 +507,7 @@ class DecoderLayer(nn.Module):
             out = packed.o.matmul(attn)
             if lora is not None:
                 lora.add_(index, O_PROJ, attn, out)
-            out = self._summed(out)
+            out = self._summed(out, self.o_bias)
             if attn_out_norm is not None:
                 cpu_kernels.rms_norm(out, attn_out_norm.weight, attn_out_norm.eps, out)
             hidden += self._scaled(out)
@@ -591,7 +599,7 @@ class LlamaModel(nn.Module):
         # builds on, imports PyTorch's reference ops, 1.5 s of start-up.
         self.embed_tokens = nn.Embedding(rows, arch.hidden_size, _weight=torch.empty(rows, arch.hidden_size))
         self.layers = _DecoderLayers(DecoderLayer(arch, i) for i in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.norm_weight_offset != 0)
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.fp32_norms)
         self.lm_head = None if arch.tie_word_embeddings else nn.Parameter(torch.empty(rows, arch.hidden_size))
         # A split vocabulary's sum of the ranks' embeddings and gather of their logits (sum_over); None alone.
         self.reduce: Callable[[torch.Tensor], None] | None = None
@@ -823,9 +831,10 @@ class LlamaModel(nn.Module):
                 raise ValueError(f"unexpected weight {name!r}")
             with torch.no_grad():
                 dest = target if rows is None else target.narrow(0, rows[0], rows[1])
+                tensor = self._as_loaded(name, tensor)
                 if dest.shape != tensor.shape:
                     raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
-                dest.copy_(self._as_loaded(name, tensor))
+                dest.copy_(tensor)
             seen.update(self._loaded_names(name))
         missing = expected - seen
         if missing:
@@ -834,9 +843,13 @@ class LlamaModel(nn.Module):
     def _as_loaded(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A checkpoint tensor as this model holds it: Gemma's norm weights with the one its norms add, in fp32 (they
         are held so: ``RMSNorm.fp32_weight``); GLM-4's q and k rows in the rotate-half order
-        (``ModelArch.rope_interleaved``); any other as it is."""
+        (``ModelArch.rope_interleaved``); gpt-oss's experts in this model's layout (``SparseMoE.as_loaded``); any
+        other as it is. (A tensor of the wrong shape may come back so: the caller checks its shape.)"""
         arch = self.arch
-        if arch.rope_interleaved and name.split(".")[-2] in ("q_proj", "k_proj"):
+        if (experts := self._in_experts(name)) is not None:
+            _, moe, below = experts
+            return moe.as_loaded(below, tensor)
+        if arch.rope_interleaved and name.split(".")[-2] in ("q_proj", "k_proj") and not len(tensor) % arch.head_dim:
             return interleaved_to_halves(tensor, arch.head_dim, arch.rotary_dim)
         if not arch.norm_weight_offset or not name.endswith("norm.weight"):
             return tensor
@@ -879,6 +892,10 @@ class LlamaModel(nn.Module):
             _, moe, below = experts
             return moe.target(below) or (None, None)
         module, leaf = parts[-2], parts[-1]
+        if leaf == "sinks":
+            return layer.sinks, None
+        if module == "o_proj" and leaf == "bias":
+            return layer.o_bias, None
         if module in _FUSED:  # (a checkpoint that fuses them as this model does: ModelArch.fused_projections)
             return getattr(layer, _FUSED[module]), None
         if module in offsets:
@@ -904,6 +921,10 @@ class LlamaModel(nn.Module):
             names.update(p + f"self_attn.{m}.weight" for m in (*qkv, "o_proj"))
             if self.arch.qkv_bias:
                 names.update(p + f"self_attn.{m}.bias" for m in ("q_proj", "k_proj", "v_proj"))
+            if self.arch.o_bias:
+                names.add(p + "self_attn.o_proj.bias")
+            if self.arch.attention_sinks:
+                names.add(p + "self_attn.sinks")
             moe = self.layers[i].moe
             if moe is not None:
                 names.update(f"{p}{moe.block}.{n}" for n in moe.expected_names())

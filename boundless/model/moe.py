@@ -8,13 +8,18 @@ matrices apart (Qwen3-MoE's ``mlp.experts.{e}.gate_proj.weight``..., Mixtral's
 
 A step groups its tokens by expert (one sort), so each expert that any token chose runs one matmul pair over all of
 its tokens: with few tokens (decoding) that is at most ``tokens * top_k`` experts' weights read, not all of them.
+gpt-oss's experts have biases (as has its router), interleave gate and up by column and clamp both before a SwiGLU of
+their own (``ModelArch.swiglu_limit``); its checkpoints stack them transposed, ``gate_up_proj`` [experts, hidden,
+2 * intermediate] and ``down_proj`` [experts, intermediate, hidden], put in this layout as they load
+(:meth:`SparseMoE.as_loaded`).
+
 Choosing the experts reads the routing back to the host (which experts, how many tokens each), so a step with a
 sparse layer cannot be captured in a CUDA graph: the runner runs such models eagerly.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,6 +48,13 @@ class SparseMoE(nn.Module):
             "gate": "gate_proj", "up": "up_proj", "down": "down_proj"
         }  # fmt: skip
         self.router = nn.Parameter(torch.empty(experts, hidden))
+        # gpt-oss's: the router's and the experts' biases, and its clamped SwiGLU's limit and gain (None: SiLU * up).
+        biased = arch.expert_biases
+        self.router_bias = nn.Parameter(torch.zeros(experts)) if biased else None
+        self.gate_up_bias = nn.Parameter(torch.zeros(experts, 2 * inter)) if biased else None
+        self.down_bias = nn.Parameter(torch.zeros(experts, hidden)) if biased else None
+        self.swiglu_limit = arch.swiglu_limit
+        self.swiglu_alpha = arch.swiglu_alpha or 1.702
         # On the CPU in fp32 (LlamaModel.prepare): the router packed for the native kernel, whose product gives a row
         # the same logits whatever rows share its step (PyTorch's CPU product sums a lone row otherwise: its experts'
         # weights, and even its experts, changed with the batch).
@@ -57,16 +69,61 @@ class SparseMoE(nn.Module):
         if packed is not None and x.device.type == "cpu" and x.dtype == torch.float32:
             logits = packed.matmul(x if x.dim() == 2 and x.stride(1) == 1 else x.reshape(-1, x.shape[-1]).contiguous())
         else:
-            logits = F.linear(x, self.router)
+            logits = F.linear(x, self.router, self.router_bias)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights /= weights.sum(dim=-1, keepdim=True)
         return experts, weights.to(x.dtype)
 
+    def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The gated activation of an expert's gate and up halves side by side: ``SiLU(gate) * up``, or gpt-oss's
+        clamped SwiGLU (``swiglu_limit``), as transformers' GptOssExperts computes it."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        limit = self.swiglu_limit
+        if limit is None:
+            return F.silu(gate) * up
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.swiglu_alpha))
+
+    @property
+    def glu_epilogue(self) -> bool:
+        """Whether the native kernel's gate/up matmul applies the activation (SiLU(gate) * up) as it ends; gpt-oss's
+        clamped SwiGLU follows its plain product instead."""
+        return self.swiglu_limit is None
+
+    def packed_size(self) -> int:
+        """The floats :meth:`pack` takes for every expert."""
+        from boundless.model.cpu_kernels import PackedWeight
+
+        glu = self.glu_epilogue
+        each = PackedWeight.packed_size(self.gate_up.shape[1:], glu) + PackedWeight.packed_size(self.down.shape[1:])
+        return self.gate_up.shape[0] * each
+
+    def pack(
+        self, storage: Callable[[torch.Tensor, bool], torch.Tensor] | None = None
+    ) -> list[tuple[PackedWeight, PackedWeight]]:
+        """Each expert's gate/up and down (with their biases) packed for the native CPU kernels, the router too
+        (:attr:`packed_router`); ``storage(weight, glu)``: where each packed matrix goes (a fresh tensor if None)."""
+        from boundless.model.cpu_kernels import PackedWeight
+
+        def packed(weight: torch.Tensor, bias: torch.Tensor | None, glu: bool = False) -> PackedWeight:
+            return PackedWeight(weight, bias, glu=glu, storage=None if storage is None else storage(weight, glu))
+
+        self.packed_router = PackedWeight(self.router, self.router_bias)
+        gate_up_bias, down_bias = self.gate_up_bias, self.down_bias
+        return [
+            (
+                packed(gate_up, None if gate_up_bias is None else gate_up_bias[e], self.glu_epilogue),
+                packed(down, None if down_bias is None else down_bias[e]),
+            )
+            for e, (gate_up, down) in enumerate(zip(self.gate_up, self.down, strict=True))
+        ]
+
     def forward(self, x: torch.Tensor, packed: Sequence[tuple[PackedWeight, PackedWeight]] = ()) -> torch.Tensor:
         """The experts' weighted sum for each row of ``x`` [tokens, hidden]. ``packed``: each expert's gate/up and
-        down packed for the native CPU kernels (the activation in the first matmul's epilogue), else PyTorch."""
+        down packed for the native CPU kernels (:meth:`pack`), else PyTorch."""
         experts, weights = self.route(x)
         out = torch.zeros_like(x)
         flat = experts.flatten()
@@ -79,12 +136,16 @@ class SparseMoE(nn.Module):
             if not count:
                 continue
             rows = tokens[start : start + count]
-            if packed:
+            if packed and self.glu_epilogue:
                 gate_up, down = packed[expert]
                 y = down.matmul(gate_up.matmul(x[rows]))
+            elif packed:
+                gate_up, down = packed[expert]
+                y = down.matmul(self.activate(gate_up.matmul(x[rows])))
             else:
-                gate, up = F.linear(x[rows], self.gate_up[expert]).chunk(2, dim=-1)
-                y = F.linear(F.silu(gate) * up, self.down[expert])
+                gate_up_bias, down_bias = self.gate_up_bias, self.down_bias
+                halves = F.linear(x[rows], self.gate_up[expert], None if gate_up_bias is None else gate_up_bias[expert])
+                y = F.linear(self.activate(halves), self.down[expert], None if down_bias is None else down_bias[expert])
             out.index_add_(0, rows, y * picked[start : start + count, None])
             start += count
         return out
@@ -95,6 +156,12 @@ class SparseMoE(nn.Module):
         parts = name.split(".")
         if parts == ["gate", "weight"]:
             return self.router, None
+        biases = {
+            "router.bias": self.router_bias, "experts.gate_up_proj_bias": self.gate_up_bias,
+            "experts.down_proj_bias": self.down_bias,
+        }  # fmt: skip
+        if self.router_bias is not None and (name == "router.weight" or name in biases):  # (gpt-oss's names)
+            return (self.router if name == "router.weight" else biases[name]), None  # type: ignore[return-value]
         if parts[:1] != ["experts"]:
             return None
         if parts[1:] == ["gate_up_proj"]:  # transformers 5's stacked form
@@ -112,10 +179,25 @@ class SparseMoE(nn.Module):
             return self.gate_up[expert], rows
         return (self.down[expert], None) if parts[2] == names["down"] else None
 
+    def as_loaded(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A checkpoint tensor named ``name`` (below the block) in this layout: gpt-oss's stacked experts transposed,
+        their gate and up columns (and biases) de-interleaved (gate the even ones, up the odd ones, as
+        transformers' GptOssExperts reads them) into gate's half then up's; any other as it is."""
+        if self.gate_up_bias is None or tensor.dim() != (2 if name.endswith("_bias") else 3):
+            return tensor
+        if name in ("experts.gate_up_proj", "experts.gate_up_proj_bias"):
+            halves = tensor if name.endswith("_bias") else tensor.transpose(1, 2)
+            return torch.cat([halves[:, 0::2], halves[:, 1::2]], dim=1)
+        if name == "experts.down_proj":
+            return tensor.transpose(1, 2)
+        return tensor
+
     def loaded_names(self, name: str) -> list[str]:
         """The per-expert names (:meth:`expected_names`') a tensor :meth:`target` placed stands for: a stacked
         tensor, every expert's; any other, its own name (:meth:`target` takes only this block's names)."""
         experts = range(self.router.shape[0])
+        if self.router_bias is not None:  # (gpt-oss's names are the stacked ones)
+            return [name]
         if name == "experts.gate_up_proj":
             return [f"experts.{e}.{self.names[m]}.weight" for e in experts for m in ("gate", "up")]
         if name == "experts.down_proj":
@@ -124,6 +206,9 @@ class SparseMoE(nn.Module):
 
     def expected_names(self) -> list[str]:
         """The per-expert names a checkpoint holds this block's weights under, below the layer's :attr:`block`."""
+        if self.router_bias is not None:
+            stacked = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+            return ["router.weight", "router.bias", *(f"experts.{n}" for n in stacked)]
         names = ["gate.weight"]
         for e in range(self.router.shape[0]):
             names += [f"experts.{e}.{self.names[m]}.weight" for m in ("gate", "up", "down")]

@@ -13,7 +13,8 @@ Each weight is dequantized as it arrives (``weight * scale``, the scale spread o
 activation scales (``input_scale``) and KV scales (``k_scale``, ``v_scale``) are dropped: the model then runs as the
 unquantized one would on these weights, in its own type, and its KV in ``--kv-cache-dtype``'s. Weights the
 checkpoint left unquantized (its ``ignore`` list: often ``lm_head``) come as they are. GPTQ and AWQ checkpoints (integer
-weights packed in int32) load through ``model/packed_int.py``. Any other method (bitsandbytes, integer
+weights packed in int32) load through ``model/packed_int.py``, gpt-oss's MXFP4 ones through ``model/mxfp4.py``. Any
+other method (bitsandbytes, integer
 compressed-tensors) is refused in words; a GGUF file's quantized weights load as before.
 """
 
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 
 from boundless.config import ConfigError
+from boundless.model.mxfp4 import Mxfp4Checkpoint
 from boundless.model.packed_int import PackedIntCheckpoint
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -47,16 +49,18 @@ class QuantizedCheckpoint:
     @staticmethod
     def of(
         config: Mapping[str, Any], directory: Path | None = None
-    ) -> QuantizedCheckpoint | PackedIntCheckpoint | None:
+    ) -> QuantizedCheckpoint | PackedIntCheckpoint | Mxfp4Checkpoint | None:
         """From a ``config.json`` (or, with none in it, from the file older AutoAWQ and AutoGPTQ releases wrote beside
         it in the model's ``directory``); None for an unquantized checkpoint, a :class:`PackedIntCheckpoint` for
-        GPTQ's and AWQ's. An unsupported method is a ConfigError."""
+        GPTQ's and AWQ's, an :class:`Mxfp4Checkpoint` for gpt-oss's. An unsupported method is a ConfigError."""
         quant = config.get("quantization_config") or (_sidecar_quantization(directory) if directory else None)
         if not quant:
             return None
         method = str(quant.get("quant_method", "")).lower()
         if method in ("gptq", "awq"):
             return PackedIntCheckpoint.of(method, quant)
+        if method == "mxfp4":
+            return Mxfp4Checkpoint()
         if method == "fp8":
             block = quant.get("weight_block_size")
             return QuantizedCheckpoint(method, (int(block[0]), int(block[1])) if block else None)
@@ -64,8 +68,8 @@ class QuantizedCheckpoint:
             return QuantizedCheckpoint(method, _compressed_tensors_block(quant))
         raise ConfigError(
             f"this checkpoint is quantized with {method or 'an unnamed method'!r}, which does not load here: FP8 "
-            "checkpoints (quant_method fp8 or compressed-tensors' float weights), GPTQ and AWQ ones, GGUF files and "
-            "unquantized weights do"
+            "checkpoints (quant_method fp8 or compressed-tensors' float weights), GPTQ, AWQ and MXFP4 ones, GGUF files "
+            "and unquantized weights do"
         )
 
     def dequantized(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

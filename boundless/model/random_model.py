@@ -8,7 +8,7 @@ trained on a few sentences, with a chat template. Nothing is downloaded.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +36,8 @@ _CORPUS = [
 @dataclass(frozen=True)
 class TinySpec:
     """The shape of a random model. ``kind`` is llama, qwen2, qwen3, qwen3_moe, mistral, mixtral, phi3, gemma2,
-    gemma3_text, granite or glm4 (Gemma's: its sliding-window layers all but every ``sliding_window_pattern``-th,
+    gemma3_text, granite, glm4 or gpt_oss (Gemma's: its sliding-window layers all but every
+    ``sliding_window_pattern``-th,
     Gemma 3's rotated on ``local_rope_theta``, its softmax scale ``query_pre_attn_scalar ** -0.5``, Gemma 2's scores
     and logits capped at ``attn_logit_softcap`` and ``final_logit_softcap``; Granite's four multipliers; GLM-4's
     biases, fused gate/up, four norms a layer and ``partial_rotary_factor``, interleaved). ``head_dim``:
@@ -46,7 +47,8 @@ class TinySpec:
     ``moe_intermediate_size`` wide too. ``sliding_window``: a window over every layer (a qwen2 or qwen3 model's
     from layer ``max_window_layers`` on, as transformers reads it). A phi3 model's RoPE may rotate part of each head
     (``partial_rotary_factor``, Phi-4-mini's) and its ``rope_scaling`` be LongRoPE's, over
-    ``original_max_position_embeddings``."""
+    ``original_max_position_embeddings``. A gpt_oss model's layers are all sparse, its even ones windowed, its experts
+    clamped at ``swiglu_limit`` and with ``mxfp4`` saved as the Hub's MXFP4 blocks."""
 
     kind: str = "llama"
     vocab_size: int = 384
@@ -81,6 +83,9 @@ class TinySpec:
     residual_multiplier: float = 1.0
     attention_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    # gpt-oss's clamp of its experts' gate and up, and its experts' weights as MXFP4 blocks and scales.
+    swiglu_limit: float = 7.0
+    mxfp4: bool = False
 
 
 def _train_tokenizer(vocab_size: int):
@@ -137,8 +142,16 @@ _ARCHITECTURES = {
     "gemma3_text": "Gemma3ForCausalLM",
     "granite": "GraniteForCausalLM",
     "glm4": "Glm4ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 _GEMMA = ("gemma2", "gemma3_text")
+
+
+# gpt-oss's YaRN as GptOssConfig has it, over a tiny model's original context of 64 positions.
+_GPT_OSS_YARN = {
+    "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+    "original_max_position_embeddings": 64,
+}  # fmt: skip
 
 
 # A mixture of experts' checkpoint names: its block, and each expert's gate, up and down matrices.
@@ -223,6 +236,24 @@ def _config(spec: TinySpec) -> dict:
         )
         if not gemma2:
             cfg.update(sliding_window_pattern=spec.sliding_window_pattern, rope_local_base_freq=spec.local_rope_theta)
+    if spec.kind == "gpt_oss":  # (its intermediate_size is each expert's; every other layer slides, the first too)
+        del cfg["rope_theta"]
+        cfg.update(
+            intermediate_size=spec.moe_intermediate_size,
+            num_local_experts=spec.num_experts,
+            num_experts_per_tok=spec.num_experts_per_tok,
+            sliding_window=spec.sliding_window,
+            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(spec.num_layers)],
+            attention_bias=True,
+            swiglu_limit=spec.swiglu_limit,
+            rms_norm_eps=1e-5,
+            rope_scaling=_GPT_OSS_YARN | {"rope_theta": spec.rope_theta, **(spec.rope_scaling or {})},
+            output_router_logits=False,
+            pad_token_id=0,
+        )
+        if spec.mxfp4:
+            unquantized = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+            cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": unquantized}
     if spec.kind == "mixtral":  # (its intermediate_size is each expert's)
         cfg.update(
             intermediate_size=spec.moe_intermediate_size,
@@ -266,7 +297,10 @@ def random_weights(spec: TinySpec, device: str | torch.device = "cpu") -> Iterat
             yield p + "self_attn.k_proj.weight", rand(kv, h)
             yield p + "self_attn.v_proj.weight", rand(kv, h)
         yield p + "self_attn.o_proj.weight", rand(h, q)
-        if spec.kind in ("qwen2", "glm4"):
+        if spec.kind == "gpt_oss":
+            yield p + "self_attn.o_proj.bias", rand(h)
+            yield p + "self_attn.sinks", rand(spec.num_heads) * 4  # (some heads then give their sink most weight)
+        if spec.kind in ("qwen2", "glm4", "gpt_oss"):
             yield p + "self_attn.q_proj.bias", rand(q)
             yield p + "self_attn.k_proj.bias", rand(kv)
             yield p + "self_attn.v_proj.bias", rand(kv)
@@ -281,6 +315,8 @@ def random_weights(spec: TinySpec, device: str | torch.device = "cpu") -> Iterat
                 yield p + f"{block}.experts.{e}.{gate}.weight", rand(m, h)
                 yield p + f"{block}.experts.{e}.{up}.weight", rand(m, h)
                 yield p + f"{block}.experts.{e}.{down}.weight", rand(h, m)
+        elif spec.kind == "gpt_oss":
+            yield from _gpt_oss_experts(spec, p + "mlp.", rand)
         elif spec.kind in ("phi3", "glm4"):
             yield p + "mlp.gate_up_proj.weight", torch.cat([rand(i, h), rand(i, h)])
             yield p + "mlp.down_proj.weight", rand(h, i)
@@ -296,6 +332,31 @@ def random_weights(spec: TinySpec, device: str | torch.device = "cpu") -> Iterat
         if spec.kind == "glm4":
             yield p + "post_self_attn_layernorm.weight", norm(h)
             yield p + "post_mlp_layernorm.weight", norm(h)
+
+
+def _gpt_oss_experts(
+    spec: TinySpec, prefix: str, rand: Callable[..., torch.Tensor]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """gpt-oss's router and experts as its checkpoints name them: stacked, each matrix [experts, in, out] with gate
+    and up interleaved by column (transformers' layout); with ``spec.mxfp4`` the matrices as the Hub's files hold
+    them, MXFP4 blocks (two 4-bit values a byte, 32 a block) and a power-of-two scale a block, [experts, out, in / 32,
+    ...]."""
+    h, m, e = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts
+    yield prefix + "router.weight", rand(e, h)
+    yield prefix + "router.bias", rand(e)
+    yield prefix + "experts.gate_up_proj_bias", rand(e, 2 * m)
+    yield prefix + "experts.down_proj_bias", rand(e, h)
+    if not spec.mxfp4:
+        yield prefix + "experts.gate_up_proj", rand(e, h, 2 * m)
+        yield prefix + "experts.down_proj", rand(e, m, h)
+        return
+    g = torch.Generator().manual_seed(spec.seed + 1)
+    for name, rows, cols in (("gate_up_proj", 2 * m, h), ("down_proj", h, m)):
+        blocks = torch.randint(0, 256, (e, rows, cols // 32, 16), generator=g, dtype=torch.uint8)
+        # (FP4 values reach 6: scales of 2**-5 to 2**-3 keep the weights about the others' size)
+        scales = torch.randint(127 - 5, 127 - 2, (e, rows, cols // 32), generator=g, dtype=torch.uint8)
+        yield prefix + f"experts.{name}_blocks", blocks
+        yield prefix + f"experts.{name}_scales", scales
 
 
 def write_random_model(

@@ -60,6 +60,14 @@ def test_distattention_on_flex_attention(load, make_cluster) -> None:
     _spanning_request_matches_one_instance(load("tiny-llama"), make_cluster, 2, attention_backend="flex")
 
 
+@pytest.mark.parametrize("backend", ["torch", "flex"])
+def test_distattention_with_attention_sinks(load, make_cluster, backend: str) -> None:
+    """gpt-oss's sinks are one more key of every row, merged once after the creditors' partials and the local one
+    (``DistributedAttention.forward_partial``): one engine's outputs. Its windowed first layer asks no creditor, its
+    second does."""
+    _spanning_request_matches_one_instance(load("tiny-gpt-oss"), make_cluster, 2, attention_backend=backend)
+
+
 def _spanning_request_matches_one_instance(
     loaded, make_cluster, instances: int, attention_backend: str = "torch", kv_cache_dtype: str = "auto",
     asks: bool = True,

@@ -205,6 +205,43 @@ def test_glm4_reads_as_transformers_does() -> None:
     assert not ModelArch.from_hf_config({**GLM4_9B, "attention_bias": False}).qkv_bias
 
 
+# gpt-oss-20b's config.json, as the Hub has it (its 24 layers: a window of 128 on the even ones).
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True, "eos_token_id": 200002,
+    "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096,
+    "intermediate_size": 2880, "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "max_position_embeddings": 131072, "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24,
+    "num_key_value_heads": 8, "num_local_experts": 32, "pad_token_id": 199999, "rms_norm_eps": 1e-05,
+    "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]},
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                     "rope_type": "yarn", "truncate": False},
+    "rope_theta": 150000, "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": False,
+    "vocab_size": 201088,
+}  # fmt: skip
+
+
+def test_gpt_oss_reads_as_transformers_does() -> None:
+    """gpt-oss-20b: a window of 128 on every other layer from the first, sinks, biases on attention's four
+    projections, 32 experts (4 a token) with biases and the clamped SwiGLU; its YaRN frequencies and attention factor
+    transformers'; GptOssConfig's defaults where a config has none (its layer types, its scaling)."""
+    from transformers import GptOssConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    arch = ModelArch.from_hf_config(GPT_OSS_20B)
+    assert arch.windows == (128,) and arch.full_attention_layers == tuple(range(1, 24, 2))
+    assert arch.attention_sinks and arch.qkv_bias and arch.o_bias and arch.expert_biases and arch.fp32_norms
+    assert (arch.num_experts, arch.num_experts_per_tok, arch.moe_intermediate_size) == (32, 4, 2880)
+    assert arch.sparse_layers == tuple(range(24)) and (arch.swiglu_limit, arch.swiglu_alpha) == (7.0, 1.702)
+    assert arch.context_length == 131072 and arch.eos_token_ids == (200002,)
+    config = GptOssConfig(**GPT_OSS_20B)
+    want_freqs, want_factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    assert torch.equal(inverse_frequencies(arch.head_dim, arch.rope_theta, arch.rope_scaling), want_freqs)
+    assert arch.rope_scaling.attention_factor == want_factor
+    bare = {k: v for k, v in GPT_OSS_20B.items() if k not in ("layer_types", "rope_scaling", "swiglu_limit")}
+    assert ModelArch.from_hf_config({**bare, "rope_theta": 150000.0}) == arch
+    assert not ModelArch.from_hf_config({**GPT_OSS_20B, "attention_bias": False}).o_bias
+
+
 def test_a_mistral3_config_reads_as_its_text_model() -> None:
     """Mistral Small 3.1's config (Mistral3ForConditionalGeneration: a Pixtral vision tower beside a Mistral): its
     text_config, read as the Mistral it is; its top level's token ids where the text config has none."""

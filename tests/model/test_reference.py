@@ -115,12 +115,14 @@ def _engine(loaded: LoadedModel, **cache_and_sched) -> EngineCore:
 
 
 # The reference's greedy tokens: exactly MAX_NEW, the end of the sequence held back until then (transformers'
-# min_new_tokens, the engine's min_tokens: a model that would end there picks its next choice in both).
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, ignore_eos=True)
+# min_new_tokens, the engine's min_tokens, which forbids the end tokens unless ignore_eos: a model that would end there
+# picks its next choice in both).
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW)
 
 
-def _run_greedy(core: EngineCore, prompts: list[list[int]], tag: str = "") -> list[list[int]]:
-    params = GREEDY
+def _run_greedy(
+    core: EngineCore, prompts: list[list[int]], tag: str = "", params: SamplingParams = GREEDY
+) -> list[list[int]]:
     for i, p in enumerate(prompts):
         core.add_request(f"{tag}{i}", p, params)
     out: dict[str, list[int]] = {f"{tag}{i}": [] for i in range(len(prompts))}
@@ -161,14 +163,16 @@ GREEDY_PARAMS = [
 ]
 
 
-@pytest.mark.parametrize("name", ["tiny-mixtral", "tiny-phi3", "tiny-qwen3-yarn", "tiny-granite", "tiny-glm4"])
+@pytest.mark.parametrize(
+    "name", ["tiny-mixtral", "tiny-phi3", "tiny-qwen3-yarn", "tiny-granite", "tiny-glm4", "tiny-gpt-oss-mxfp4"]
+)
 def test_more_architectures_greedy_match_transformers(
     name: str, load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]
 ) -> None:
     """Mixtral (the same mixture of experts as Qwen3-MoE's, under its own names, in every layer), Phi-3 (a Llama
     whose checkpoint fuses q/k/v and gate/up), a Qwen3 with YaRN RoPE scaling, Granite (its multipliers) and GLM-4
-    (its interleaved RoPE on half of each head, four norms a layer), in one batch with prefix caching; the other
-    configurations run on the architectures above."""
+    (its interleaved RoPE on half of each head, four norms a layer) and gpt-oss from MXFP4 experts, in one batch with
+    prefix caching; the other configurations run on the architectures above."""
     ref = _reference(name, load, hf_model)
     assert _run_greedy(_engine(ref.loaded), ref.prompts) == ref.tokens
 
@@ -243,6 +247,7 @@ TRITON_MODELS = [
     "tiny-gemma2",  # (the kernel's capped scores)
     "tiny-granite",  # (the fused path's multiplied products, a softmax scale of its own)
     "tiny-glm4",  # (its norms of the products in the model's dtype, RoPE on half of each head)
+    "tiny-gpt-oss",  # (the sinks merged with the kernels' log-sum-exp)
     "smollm2-135m",
 ]
 
@@ -276,6 +281,7 @@ FLEX_MODELS = [
     "tiny-gemma2",  # (its cap of the scores, a score_mod)
     "tiny-granite",
     "tiny-glm4",
+    "tiny-gpt-oss",
     pytest.param("smollm2-135m", marks=pytest.mark.slow),
 ]
 
@@ -582,6 +588,55 @@ def test_each_part_of_granite_counts(
             layer.residual_multiplier = arch.residual_multiplier
 
 
+@pytest.mark.parametrize("config", ["chunked-prefill", "preemption-swap", "speculative"])
+def test_gpt_oss_matches_transformers_under_the_engines_configurations(
+    config: str, load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]
+) -> None:
+    """gpt-oss in chunks of 7 tokens over cached prefixes, swapped out and back, and with drafts checked in one pass:
+    transformers' greedy tokens (a chunk's partials and the sinks merged after every key of its context)."""
+    ref = _reference("tiny-gpt-oss", load, hf_model)
+    options = dict(CONFIGS[config])
+    if options.pop("preempt", False):
+        blocks, max_len = _pool_for_preemption(ref.prompts, 16)
+        options.update(num_kv_blocks=blocks, max_model_len=max_len)
+    assert _run_greedy(_engine(ref.loaded, **options), ref.prompts) == ref.tokens
+
+
+@pytest.mark.parametrize("part", [None, "sinks", "o_bias", "swiglu_limit", "expert_biases"])
+def test_each_part_of_gpt_oss_counts(
+    part: str | None, load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]
+) -> None:
+    """gpt-oss's per-step logits are transformers' (its windows, YaRN, biases, sinks, clamped experts); without its
+    sinks, o's bias, the experts' clamp, or their and the router's biases they are not."""
+    ref = _reference("tiny-gpt-oss", load, hf_model)
+    assert sum(len(set(tokens)) for tokens in ref.tokens) > 3 * len(ref.tokens)  # (not one token over and over)
+    if part is None:
+        _check_per_step_logits(ref)
+        return
+    layers = list(ref.loaded.model.layers)
+    saved = [{n: p.detach().clone() for n, p in layer.named_parameters()} for layer in layers]
+    limits = [layer.moe.swiglu_limit for layer in layers]
+    try:
+        with torch.no_grad():
+            for layer in layers:
+                if part == "swiglu_limit":
+                    layer.moe.swiglu_limit = 1e9
+                for name, param in layer.named_parameters():
+                    expert_bias = name.startswith("moe.") and name.endswith("bias")
+                    if {"sinks": name == "sinks", "o_bias": name == "o_bias"}.get(part, expert_bias):
+                        param.fill_(float("-inf") if name == "sinks" else 0.0)
+        ref.loaded.model._packed_key = None  # (packed again from the changed weights)
+        with pytest.raises(AssertionError, match="largest logit difference"):
+            _check_per_step_logits(ref)
+    finally:
+        with torch.no_grad():
+            for layer, params, limit in zip(layers, saved, limits, strict=True):
+                layer.moe.swiglu_limit = limit
+                for name, param in layer.named_parameters():
+                    param.copy_(params[name])
+        ref.loaded.model._packed_key = None
+
+
 def test_heads_of_20_dimensions_as_many_for_keys_match_transformers(tmp_path: Path) -> None:
     """A head size that is no multiple of 8 with a key/value head for every query head: PyTorch's attention output is
     strided so that no view flattens it (the native path's view raised); transformers' greedy tokens."""
@@ -812,7 +867,9 @@ def test_a_gemma3_gguf_file_matches_transformers(
         from_dir.arch, eos_token_ids=(), bos_token_id=None
     )
     ref = Reference(from_dir, load_hf_reference(from_dir))
-    assert _run_greedy(_engine(from_file), ref.prompts) == ref.tokens
+    # (The file's end token is llama.cpp's Gemma one, not the directory's that transformers holds back: none is.)
+    unheld = dataclasses.replace(GREEDY, ignore_eos=True)
+    assert _run_greedy(_engine(from_file), ref.prompts, params=unheld) == ref.tokens
     if sentencepiece:
         tokenizer = from_file.tokenizer
         ids = tokenizer.encode("the cat", add_special_tokens=False)

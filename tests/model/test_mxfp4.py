@@ -1,0 +1,42 @@
+"""MXFP4 checkpoints (gpt-oss's experts): their blocks and scales dequantized as transformers dequantizes them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from boundless.model.mxfp4 import Mxfp4Checkpoint, dequantize_mxfp4
+
+
+def _blocks_and_scales(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (3, 10, 4, 16), generator=g, dtype=torch.uint8)  # 3 experts, 10 rows of 128
+    scales = torch.randint(100, 140, (3, 10, 4), generator=g, dtype=torch.uint8)
+    return blocks, scales
+
+
+def test_dequantized_as_transformers_dequantizes() -> None:
+    """Every nibble's e2m1 value (all sixteen, both signs of zero) times its block's power of two: transformers'
+    dequantized tensor, bit for bit, in its layout ([experts, in, out])."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    blocks, scales = _blocks_and_scales()
+    blocks[0, 0, 0] = torch.arange(16, dtype=torch.uint8) * 17  # (each nibble value, low and high)
+    want = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)
+    ((name, got),) = list(Mxfp4Checkpoint().dequantized(iter([("w_scales", scales), ("w_blocks", blocks)])))
+    assert name == "w" and got.shape == want.shape == (3, 128, 10)
+    assert torch.equal(got, want)
+    assert torch.equal(
+        dequantize_mxfp4(blocks, scales)[0, 0, :4],
+        torch.tensor([0.0, 0.0, 0.5, 0.5]) * 2.0 ** (int(scales[0, 0, 0]) - 127),
+    )
+
+
+def test_unpaired_or_misshapen_blocks_are_refused() -> None:
+    blocks, scales = _blocks_and_scales()
+    with pytest.raises(ValueError, match="without their scales"):
+        list(Mxfp4Checkpoint().dequantized(iter([("a.w_blocks", blocks), ("a.bias", scales)])))
+    with pytest.raises(ValueError, match="do not match"):
+        dequantize_mxfp4(blocks, scales[..., :3])
+    with pytest.raises(ValueError, match="uint8"):
+        dequantize_mxfp4(blocks.float(), scales)
