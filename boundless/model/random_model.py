@@ -37,10 +37,10 @@ _CORPUS = [
 class TinySpec:
     """The shape of a random model. ``kind`` is llama, qwen2, qwen3, qwen3_moe, mistral, mixtral, phi3, gemma2,
     gemma3_text, granite, glm4 or gpt_oss (Gemma's: its sliding-window layers all but every
-    ``sliding_window_pattern``-th,
-    Gemma 3's rotated on ``local_rope_theta``, its softmax scale ``query_pre_attn_scalar ** -0.5``, Gemma 2's scores
-    and logits capped at ``attn_logit_softcap`` and ``final_logit_softcap``; Granite's four multipliers; GLM-4's
-    biases, fused gate/up, four norms a layer and ``partial_rotary_factor``, interleaved). ``head_dim``:
+    ``sliding_window_pattern``-th, Gemma 3's rotated on ``local_rope_theta``, its softmax scale
+    ``query_pre_attn_scalar ** -0.5``, Gemma 2's scores and logits capped at ``attn_logit_softcap`` and
+    ``final_logit_softcap``; Granite's four multipliers; GLM-4's biases, fused gate/up, four norms a layer and
+    ``partial_rotary_factor``, interleaved). ``head_dim``:
     by default ``hidden_size // num_heads`` (Qwen3's are wider: its attention is wider than its hidden size). A
     qwen3_moe model's layers are sparse (``num_experts`` experts of ``moe_intermediate_size``,
     ``num_experts_per_tok`` a token), but for ``mlp_only_layers``; a mixtral model's are all sparse, its experts

@@ -717,13 +717,14 @@ def test_concurrent_loads_of_one_name(llama: AdapterCase, monkeypatch: pytest.Mo
         engine.shutdown()
 
 
+@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-gpt-oss"])
 def test_mixture_of_experts_takes_attention_adapters_not_the_experts(
-    load: Callable, hf_model: Callable, tmp_path: Path
+    load: Callable, hf_model: Callable, tmp_path: Path, name: str
 ) -> None:
-    """On a Qwen3-MoE model an adapter of q and v (PEFT's) computes what PEFT computes; one of the MLP names, which
-    the experts are, is refused with the reason."""
-    loaded = load("tiny-qwen3-moe")
-    hf = hf_model("tiny-qwen3-moe")
+    """On a Qwen3-MoE model and a gpt-oss one (o's bias after the adapter's share, the sinks) an adapter of q and v
+    (PEFT's) computes what PEFT computes; one of the MLP names, which the experts are, is refused with the reason."""
+    loaded = load(name)
+    hf = hf_model(name)
     prompts = [loaded.tokenizer.encode(t) for t in TEXTS]
     expected = _greedy_reference(write_adapter(hf, tmp_path / "qv", 0, **ADAPTERS["attn4"]), prompts, loaded.device)
     base = _greedy_reference(hf, prompts, loaded.device)
