@@ -4,7 +4,7 @@ The weights are dequantized to float32 bit-identically with ``gguf.quants.dequan
 that transformers uses; ``gguf_quants`` does the common types faster, to the same bits), and llama.cpp's Q/K row
 permutation is undone for ``llama`` files, so the result is a plain Hugging Face ``LlamaForCausalLM`` /
 ``Qwen2ForCausalLM`` state dict (a Gemma 3 file's norms less the one llama.cpp's converter added to them:
-``Gemma3ForCausalLM``'s).
+``Gemma3ForCausalLM``'s; a gpt-oss file's experts stacked as ``GptOssForCausalLM`` holds them).
 
 The header is parsed here rather than with ``gguf.GGUFReader``: that reader builds a numpy view for every
 element of every array, which costs seconds on a vocabulary of 50k-150k strings, while the loop below
@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -54,7 +54,10 @@ _ARCHITECTURES = {
     "gemma2": "gemma2",
     "gemma3": "gemma3_text",
     "granite": "granite",
+    "gpt-oss": "gpt_oss",
 }
+# The architectures whose files llama.cpp writes with a router and stacked experts that this loader reads.
+_MOE_ARCHITECTURES = ("qwen3_moe", "gpt_oss")
 
 # Per-layer GGUF tensor name -> Hugging Face suffix under ``model.layers.{i}.``.
 _LAYER_TENSORS = {
@@ -87,6 +90,39 @@ _PHI3_LAYER_TENSORS = {
 }
 # Qwen3's (and Gemma 3's) norms of each query and key head.
 _HEAD_NORM_TENSORS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# gpt-oss's (llama.cpp's gpt-oss): its norm before the MLP is post_attention_norm (the file has no ffn_norm), every
+# projection of attention has a bias, o's too, and the router (``ffn_gate_inp``) is transformers' ``mlp.router``, with a
+# bias. Its sinks and experts are named by :data:`_GPT_OSS_SINKS` and :data:`_GPT_OSS_EXPERT_PARTS`.
+_GPT_OSS_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate_inp": "mlp.router",
+}
+# A logit per query head, which transformers names without ``.weight`` (llama.cpp's converter adds one).
+_GPT_OSS_SINKS = "attn_sinks"
+# gpt-oss's experts as llama.cpp stores them, [experts, rows, cols] with their biases [experts, rows]: gate and up
+# apart (its converter splits transformers' tensor), or one tensor of gate's rows then up's (``ffn_gate_up_exps``, its
+# converter's --fuse-gate-up-exps), and down. Each is a part of a stacked tensor of transformers'
+# (:func:`_gpt_oss_experts` builds them): ``mlp.experts.gate_up_proj`` [experts, hidden, 2 * intermediate], gate and up
+# interleaved by column, and ``mlp.experts.down_proj`` [experts, intermediate, hidden], each transposed; the biases
+# ``gate_up_proj_bias`` (interleaved too) and ``down_proj_bias``.
+_GPT_OSS_EXPERT_PARTS = {
+    "ffn_gate_exps": "gate",
+    "ffn_up_exps": "up",
+    "ffn_gate_up_exps": "gate_up",
+    "ffn_down_exps": "down",
+}
+# The parameters of a gpt-oss layer's mixture beside its router's weight, by transformers' names under ``mlp.``.
+_GPT_OSS_MLP = (
+    "router.bias", "experts.gate_up_proj", "experts.gate_up_proj_bias", "experts.down_proj", "experts.down_proj_bias",
+)  # fmt: skip
+# What llama.cpp runs gpt-oss's clamped SwiGLU with: its alpha always, its limit where a file says none (its loader
+# reads no key for either; a file may hold the limit under ``swiglu_clamp_exp``, :func:`_gpt_oss_swiglu`).
+_GPT_OSS_SWIGLU_ALPHA, _GPT_OSS_SWIGLU_LIMIT = 1.702, 7.0
 
 
 class _GemmaFile(NamedTuple):
@@ -287,13 +323,20 @@ def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def hf_tensor_name(gguf_name: str, model_type: str = "llama") -> str | None:
     """The Hugging Face parameter name for a GGUF tensor name of a ``model_type`` model (``ModelArch``'s); ``None``
-    for a tensor that is not a parameter."""
+    for a tensor that is not a parameter. (A gpt-oss file's gate and up experts, apart or fused, are both named by the
+    one tensor of transformers' they make, ``mlp.experts.gate_up_proj``, and their biases by ``gate_up_proj_bias``.)"""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     if gguf_name in _METADATA_TENSORS:
         return None
     parts = gguf_name.split(".")
     is_layer = len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit()
+    if is_layer and model_type == "gpt_oss" and parts[2] == _GPT_OSS_SINKS and parts[3] == "weight":
+        return f"model.layers.{parts[1]}.self_attn.sinks"
+    if is_layer and model_type == "gpt_oss" and parts[2] in _GPT_OSS_EXPERT_PARTS and parts[3] in ("weight", "bias"):
+        # (gate's and up's parts are one tensor of transformers': load_gguf puts them together)
+        stacked = "down_proj" if _GPT_OSS_EXPERT_PARTS[parts[2]] == "down" else "gate_up_proj"
+        return f"model.layers.{parts[1]}.mlp.experts.{stacked}{'_bias' if parts[3] == 'bias' else ''}"
     layer_tensors = _layer_tensors(model_type)
     if is_layer and parts[2] in layer_tensors and parts[3] in ("weight", "bias"):
         return f"model.layers.{parts[1]}.{layer_tensors[parts[2]]}.{parts[3]}"
@@ -304,7 +347,8 @@ def hf_tensor_name(gguf_name: str, model_type: str = "llama") -> str | None:
     if is_layer and parts[2] in _EXPERT_TENSORS and parts[3] == "weight":  # stacked: split by expert at load
         return f"model.layers.{parts[1]}.mlp.experts.{{}}.{_EXPERT_TENSORS[parts[2]]}.weight"
     raise ValueError(
-        f"unexpected GGUF tensor {gguf_name!r}: this loader knows only llama/qwen2/qwen3/phi3/gemma decoder tensors"
+        f"unexpected GGUF tensor {gguf_name!r}: this loader knows only llama/qwen2/qwen3/phi3/gemma/granite/gpt-oss "
+        "decoder tensors"
     )
 
 
@@ -312,6 +356,8 @@ def _layer_tensors(model_type: str) -> dict[str, str]:
     """A layer's GGUF tensor names and their Hugging Face suffixes, for a ``model_type`` model."""
     if model_type == "phi3":
         return _PHI3_LAYER_TENSORS
+    if model_type == "gpt_oss":
+        return _GPT_OSS_LAYER_TENSORS
     return _GEMMA_LAYER_TENSORS if model_type in GEMMA_ARCHITECTURES else _LAYER_TENSORS
 
 
@@ -321,16 +367,68 @@ def _expected_parameters(arch: ModelArch) -> set[str]:
         names.add("lm_head.weight")
     for i in range(arch.num_layers):
         layer = {f"model.layers.{i}.{suffix}.weight" for suffix in _layer_tensors(arch.model_type).values()}
-        if i in arch.sparse_layers:
+        if i in arch.sparse_layers and arch.expert_biases:  # (gpt-oss's: its router's weight is a layer tensor above)
+            layer.update(f"model.layers.{i}.mlp.{name}" for name in _GPT_OSS_MLP)
+        elif i in arch.sparse_layers:
             layer -= {f"model.layers.{i}.mlp.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")}
             layer.add(f"model.layers.{i}.mlp.gate.weight")
             layer.update(f"model.layers.{i}.mlp.experts.{{}}.{m}.weight" for m in _EXPERT_TENSORS.values())
         names.update(layer)
         if arch.qkv_bias:
             names.update(f"model.layers.{i}.self_attn.{p}_proj.bias" for p in "qkv")
+        if arch.o_bias:
+            names.add(f"model.layers.{i}.self_attn.o_proj.bias")
+        if arch.attention_sinks:
+            names.add(f"model.layers.{i}.self_attn.sinks")
         if arch.qk_norm:
             names.update(f"model.layers.{i}.{suffix}.weight" for suffix in _HEAD_NORM_TENSORS.values())
     return names
+
+
+def _gpt_oss_part(gguf_name: str) -> str | None:
+    """Which part of a stacked experts' tensor of transformers' a gpt-oss file's tensor is (``gate``, ``up``,
+    ``gate_up`` or ``down``: :data:`_GPT_OSS_EXPERT_PARTS`), or None for any other tensor."""
+    parts = gguf_name.split(".")
+    return _GPT_OSS_EXPERT_PARTS.get(parts[2]) if len(parts) == 4 and parts[0] == "blk" else None
+
+
+def _gpt_oss_parts_complete(parts: Iterable[str]) -> bool:
+    """Whether ``parts`` make up one stacked tensor: gate's and up's, or the two fused, or down's."""
+    return set(parts) in ({"gate", "up"}, {"gate_up"}, {"down"})
+
+
+def _check_gpt_oss_experts(tensors: Mapping[str, GGUFTensorInfo]) -> None:
+    """A ``ValueError`` unless each of a gpt-oss file's stacked tensors has its parts, in one form: gate's and up's of
+    one shape, or both fused (an even number of rows), or down's."""
+    found: dict[str, dict[str, tuple[int, ...]]] = {}
+    for name, info in tensors.items():
+        part = _gpt_oss_part(name)
+        if part is not None:
+            stacked = hf_tensor_name(name, "gpt_oss")
+            assert stacked is not None  # (an expert's part is a parameter)
+            found.setdefault(stacked, {})[part] = info.shape
+    for stacked, parts in sorted(found.items()):
+        fused = parts.get("gate_up")
+        if not _gpt_oss_parts_complete(parts):
+            raise ValueError(f"GGUF file holds {sorted(parts)} of {stacked}: gate and up, or gate_up, or down")
+        if "gate" in parts and parts["gate"] != parts["up"]:
+            raise ValueError(f"GGUF file's gate {parts['gate']} and up {parts['up']} of {stacked} differ in shape")
+        if fused is not None and (len(fused) < 2 or fused[1] % 2):
+            raise ValueError(f"GGUF file's fused gate/up of {stacked} has shape {fused}: no two halves of rows")
+
+
+def _gpt_oss_experts(name: str, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """transformers' stacked tensor ``name`` (``....mlp.experts.gate_up_proj``, ``down_proj`` or their ``_bias``) of
+    llama.cpp's ``parts`` of it (:data:`_GPT_OSS_EXPERT_PARTS`: [experts, rows, cols], biases [experts, rows]): down's
+    matrices transposed; gate's row r and up's row r as rows 2r and 2r + 1, then transposed (gate the even columns and
+    up the odd ones, as transformers' GptOssExperts reads them); a bias as those rows. (Views where they can be: the
+    model takes them apart again as it loads them, ``SparseMoE.as_loaded``.)"""
+    bias = name.endswith("_bias")
+    if "down" in parts:
+        return parts["down"] if bias else parts["down"].transpose(1, 2)
+    gate, up = (parts["gate"], parts["up"]) if "gate" in parts else parts["gate_up"].chunk(2, dim=1)
+    interleaved = torch.stack([gate, up], dim=2).flatten(1, 2)
+    return interleaved if bias else interleaved.transpose(1, 2)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -399,7 +497,10 @@ def _rope_scaling(
     theta: float,
     head_dim: int,
     context_length: int,
+    truncate: bool = True,
 ) -> RopeScaling:
+    """A file's RoPE scaling: llama3's from its ``rope_freqs`` tensor (``rope_factors``), linear's or YaRN's from its
+    keys (YaRN's ramp between whole dimensions unless ``truncate`` is false, gpt-oss's), else none."""
     kind = meta.get(f"{prefix}.rope.scaling.type", "none")
     if rope_factors is not None:
         if kind not in ("none", "llama3"):
@@ -417,7 +518,9 @@ def _rope_scaling(
         original = int(meta.get(f"{prefix}.rope.scaling.original_context_length", context_length))
         factor = _f32(meta.get(f"{prefix}.rope.scaling.factor", 1.0))
         beta_fast, beta_slow = (meta.get(f"{prefix}.rope.scaling.yarn_beta_{k}") for k in ("fast", "slow"))
-        return yarn_scaling(factor, original, context_length, beta_fast=beta_fast, beta_slow=beta_slow)
+        return yarn_scaling(
+            factor, original, context_length, beta_fast=beta_fast, beta_slow=beta_slow, truncate=truncate
+        )
     if kind != "none":
         raise ValueError(f"unsupported RoPE scaling type {kind!r} (supported: none, linear, llama3, yarn)")
     return RopeScaling()
@@ -545,21 +648,27 @@ def model_arch_from_gguf(
     theta = _f32(key("rope.freq_base", 10000.0))
     model_type = gguf_model_type(meta)
     partial = _partial_rotary_factor(meta, prefix, model_type, head_dim)
-    if model_type != "qwen3_moe" and any(_ROUTER_TENSOR in name for name in tensor_shapes):
+    if model_type not in _MOE_ARCHITECTURES and any(_ROUTER_TENSOR in name for name in tensor_shapes):
         raise ValueError(
             f"this GGUF {prefix} model is a mixture of experts (Mixtral's, in llama.cpp's layout), which this loader "
-            "does not read; Qwen3-MoE's (qwen3moe) it does, and Mixtral loads from a Hugging Face directory"
+            "does not read; Qwen3-MoE's (qwen3moe) and gpt-oss's it does, and Mixtral loads from a Hugging Face "
+            "directory"
         )
+    gpt_oss = model_type == "gpt_oss"
+    layers = int(key("block_count"))
     experts = int(meta.get(f"{prefix}.expert_count", 0)) if model_type == "qwen3_moe" else 0
-    sparse = tuple(i for i in range(int(key("block_count"))) if f"blk.{i}.{_ROUTER_TENSOR}.weight" in tensor_shapes)
+    experts = int(key("expert_count")) if gpt_oss else experts
+    # (Every layer of gpt-oss's is sparse, as transformers builds it: one whose router is missing is a missing tensor.)
+    sparse = tuple(i for i in range(layers) if gpt_oss or f"blk.{i}.{_ROUTER_TENSOR}.weight" in tensor_shapes)
     context_length = int(key("context_length", 2048))
     if _has_longrope_factors(tensor_shapes, model_type, int(head_dim * partial) // 2):
         rope_scaling = _longrope_scaling(meta, prefix, longrope_factors, context_length)
     else:
-        rope_scaling = _rope_scaling(meta, prefix, rope_factors, theta, head_dim, context_length)
+        # (gpt-oss's YaRN ramps between fractional dimensions, as its config's truncate: false says and transformers
+        # runs it; llama.cpp rounds the ramp's ends to whole dimensions for every model.)
+        rope_scaling = _rope_scaling(meta, prefix, rope_factors, theta, head_dim, context_length, truncate=not gpt_oss)
     window = meta.get(f"{prefix}.attention.sliding_window")
     gemma = _GEMMA_FILES.get(model_type)
-    layers = int(key("block_count"))
     caps: list[Any] = [None, None]
     if gemma is not None:
         window = window or gemma.default_window
@@ -584,11 +693,13 @@ def model_arch_from_gguf(
         num_experts=experts,
         num_experts_per_tok=int(key("expert_used_count")) if experts else 0,
         moe_intermediate_size=int(key("expert_feed_forward_length")) if experts else 0,
-        norm_topk_prob=bool(experts),  # (llama.cpp's qwen3moe always renormalizes the chosen experts' weights)
+        # (llama.cpp's qwen3moe always renormalizes the chosen experts' weights; gpt-oss's softmax over the chosen
+        # logits alone gives the same weights)
+        norm_topk_prob=bool(experts),
         sparse_layers=sparse if experts else (),
         rope_scaling=rope_scaling,
-        sliding_window=int(window) if window and (model_type in ("mistral", "phi3") or gemma) else None,
-        full_attention_layers=_gemma_full_layers(meta, prefix, layers, gemma) if gemma and window else (),
+        sliding_window=int(window) if window and (model_type in ("mistral", "phi3", "gpt_oss") or gemma) else None,
+        full_attention_layers=_full_attention_layers(meta, prefix, model_type, layers, gemma) if window else (),
         bos_token_id=tokenizer.bos_token_id if tokenizer is not None else meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tokenizer.eos_token_ids if tokenizer is not None else (),
         hidden_act="gelu_pytorch_tanh" if gemma else "silu",
@@ -600,8 +711,40 @@ def model_arch_from_gguf(
         attn_logit_softcap=_f32(caps[0]) if caps[0] else None,
         final_logit_softcap=_f32(caps[1]) if caps[1] else None,
         partial_rotary_factor=partial,
+        o_bias=gpt_oss and "blk.0.attn_output.bias" in tensor_shapes,
+        attention_sinks=gpt_oss,
         **(_granite_multipliers(meta, prefix) if model_type == "granite" else {}),
+        **(_gpt_oss_swiglu(meta, prefix, layers) if gpt_oss else {}),
     )
+
+
+def _full_attention_layers(
+    meta: Mapping[str, Any], prefix: str, model_type: str, layers: int, gemma: _GemmaFile | None
+) -> tuple[int, ...]:
+    """The layers of a file with a sliding window that attend the whole context: Gemma's
+    (:func:`_gemma_full_layers`), gpt-oss's odd ones (llama.cpp's rule for its architecture, which its files do not
+    state: the even layers slide, the first too, as GptOssConfig's ``layer_types``), none of the others'."""
+    if gemma is not None:
+        return _gemma_full_layers(meta, prefix, layers, gemma)
+    return tuple(range(1, layers, 2)) if model_type == "gpt_oss" else ()
+
+
+def _gpt_oss_swiglu(meta: Mapping[str, Any], prefix: str, layers: int) -> dict[str, float]:
+    """A gpt-oss file's clamped SwiGLU: ``swiglu_alpha`` llama.cpp's 1.702 and ``swiglu_limit`` its 7.0, both
+    GptOssConfig's defaults and what the Hub's models use; a file may hold another limit under ``swiglu_clamp_exp``
+    (the key ``gguf`` defines for the clamp of the experts' SwiGLU, a value a layer: one for all of them here), which
+    llama.cpp's gpt-oss does not read (its converter writes none)."""
+    stored = meta.get(f"{prefix}.swiglu_clamp_exp")
+    if stored is None:
+        return {"swiglu_limit": _GPT_OSS_SWIGLU_LIMIT, "swiglu_alpha": _GPT_OSS_SWIGLU_ALPHA}
+    limits = {_f32(v) for v in (stored if isinstance(stored, list) else [stored])}
+    count = len(stored) if isinstance(stored, list) else layers
+    if len(limits) != 1 or count != layers or not min(limits) > 0:
+        raise ValueError(
+            f"GGUF gpt-oss model's {prefix}.swiglu_clamp_exp is {stored!r}: one positive limit for all of its "
+            f"{layers} layers is needed"
+        )
+    return {"swiglu_limit": limits.pop(), "swiglu_alpha": _GPT_OSS_SWIGLU_ALPHA}
 
 
 def _granite_multipliers(meta: Mapping[str, Any], prefix: str) -> dict[str, Any]:
@@ -645,7 +788,10 @@ class GGUFModel:
     metadata: dict[str, Any] = field(default_factory=dict, repr=False)
 
 
-def _parallel_map(fn: Callable[[GGUFTensorInfo], np.ndarray], items: Iterable[GGUFTensorInfo]) -> list[np.ndarray]:
+_T = TypeVar("_T")
+
+
+def _parallel_map(fn: Callable[[GGUFTensorInfo], _T], items: Iterable[GGUFTensorInfo]) -> list[_T]:
     # numpy releases the GIL inside its kernels, so threads overlap the dequantization of different tensors.
     items = list(items)
     workers = min(len(items), os.cpu_count() or 1, 8)
@@ -659,9 +805,10 @@ def load_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float3
     """Read a GGUF file: architecture, dequantized weights under Hugging Face names, and tokenizer.
 
     Supports the ``llama`` (Llama 1-3, Mistral, SmolLM...), ``qwen2``, ``qwen3``, ``qwen3moe``, ``phi3`` (Phi-3 and
-    Phi-4, Phi-4-mini's RoPE on part of each head and the 128k-context models' LongRoPE), ``gemma2``, ``gemma3`` and
-    ``granite`` (Granite 3) architectures.
-    ``dtype`` is what the returned tensors are cast to after float32 dequantization.
+    Phi-4, Phi-4-mini's RoPE on part of each head and the 128k-context models' LongRoPE), ``gemma2``, ``gemma3``,
+    ``granite`` (Granite 3) and ``gpt-oss`` (its experts in ggml's MXFP4 or any other type, gate and up apart or fused)
+    architectures.
+    ``dtype`` is what the returned tensors are cast to after float32 dequantization, each as it is dequantized.
     """
     path = Path(path)
     buf = _map(path)
@@ -683,12 +830,15 @@ def load_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float3
     missing = {name.format("*") for name in missing}
     if missing:
         raise ValueError(f"{path}: GGUF file lacks tensors for {sorted(missing)[:5]} ({len(missing)} in all)")
+    if model_type == "gpt_oss":
+        _check_gpt_oss_experts(header.tensors)
 
-    arrays = _parallel_map(lambda info: _dequantize_tensor(buf, info), wanted)
     # llama.cpp permutes Q and K only for the llama architecture (convert_hf_to_gguf's LlamaModel) and Granite.
     permute = model_type in ("llama", "mistral", "granite")
-    tensors: dict[str, torch.Tensor] = {}
-    for info, array in zip(wanted, arrays, strict=True):
+
+    def prepare(info: GGUFTensorInfo) -> torch.Tensor:
+        # (Cast as each is dequantized, so that only one float32 copy a worker is alive beside the cast ones.)
+        array = _dequantize_tensor(buf, info)
         if permute and ".attn_q." in info.name:
             array = _unpermute_rows(array, arch.num_heads)
         elif permute and ".attn_k." in info.name:
@@ -698,10 +848,19 @@ def load_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float3
             # such a file, for the Hugging Face checkpoint's w.)
             array = array - arch.norm_weight_offset
         tensor = torch.from_numpy(array)
-        tensor = tensor if dtype == torch.float32 else tensor.to(dtype)
+        return tensor if dtype == torch.float32 else tensor.to(dtype)
+
+    tensors: dict[str, torch.Tensor] = {}
+    parts: dict[str, dict[str, torch.Tensor]] = {}  # a gpt-oss file's stacked experts' tensors, by their parts so far
+    for info, tensor in zip(wanted, _parallel_map(prepare, wanted), strict=True):
         name = hf_tensor_name(info.name, model_type)
         assert name is not None  # (wanted holds parameters only)
-        if "{}" in name:  # a stacked experts' tensor: each expert's matrix under its own name (views, no copy)
+        part = _gpt_oss_part(info.name) if model_type == "gpt_oss" else None
+        if part is not None:  # (put together as soon as its last part is in: _check_gpt_oss_experts saw them all)
+            parts.setdefault(name, {})[part] = tensor
+            if _gpt_oss_parts_complete(parts[name]):
+                tensors[name] = _gpt_oss_experts(name, parts.pop(name))
+        elif "{}" in name:  # a stacked experts' tensor: each expert's matrix under its own name (views, no copy)
             tensors.update((name.format(e), tensor[e]) for e in range(tensor.shape[0]))
         else:
             tensors[name] = tensor

@@ -5,7 +5,10 @@ several temporaries a group: the bundled SmolLM2 file (106 M Q4_1 and 28 M Q8_0 
 ``boundless serve``'s start-up. The same arithmetic over the whole tensor at once, in PyTorch's threaded kernels,
 takes 0.45 s. Each value is computed with the reference's operations in the reference's order (a float16 scale
 widened to float32, times the quant, plus the minimum), each rounded once, so the results are equal to the bit
-(``tests/model/test_gguf_quants.py`` compares them). Other types go to the reference.
+(``tests/model/test_gguf_quants.py`` compares them). MXFP4 (gpt-oss's experts) too: the reference's table lookups
+over a 20B model's 19 G expert values are its slowest part. Other types go to the reference. A tensor is taken
+``_CHUNK_BLOCKS`` blocks at a time, so its temporaries (the lookups' int64 indices are twice the float32 output) stay a
+few megabytes whatever its size.
 """
 
 from __future__ import annotations
@@ -43,11 +46,34 @@ def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
     return _half(blocks, 0) * _nibbles(blocks[:, 4:]).float() + _half(blocks, 2)
 
 
+# e2m1's sixteen values doubled, by their four bits (the reference's ``kvalues``: whole numbers, so -0 is 0): they are
+# multiplied by half the block's power of two.
+_E2M1_DOUBLED = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.float32)
+
+
+def _e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """Half of ``2 ** (e - 127)`` for each e8m0 exponent byte, as a float32 column: the bits ggml's
+    ``ggml_e8m0_to_fp32_half`` builds (a subnormal for exponents 0 and 1)."""
+    e = e.to(torch.int32)
+    bits = torch.where(e < 2, torch.full_like(e, 0x00200000) << e, (e - 1) << 23)
+    return bits.view(torch.float32)
+
+
+def _mxfp4(blocks: torch.Tensor) -> torch.Tensor:
+    # [e: e8m0][16 bytes of e2m1 nibbles]: half of 2 ** (e - 127) times the doubled value. (Exact: a power of two
+    # times a small integer.)
+    return _e8m0_half(blocks[:, :1]) * _E2M1_DOUBLED[_nibbles(blocks[:, 1:]).long()]
+
+
 _KERNELS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
     GGMLQuantizationType.Q8_0: _q8_0,
     GGMLQuantizationType.Q4_0: _q4_0,
     GGMLQuantizationType.Q4_1: _q4_1,
+    GGMLQuantizationType.MXFP4: _mxfp4,
 }
+# Blocks dequantized at once: each kernel's temporaries are a few times the 4 MiB of float32 values of this many
+# Q8_0 or MXFP4 blocks, rather than a few times a whole expert tensor's gigabyte.
+_CHUNK_BLOCKS = 1 << 15
 
 
 def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
@@ -62,5 +88,7 @@ def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     if not data.flags.writeable:  # a view of the file's read-only mapping, which torch will not wrap
         data = data.copy()
     blocks = torch.from_numpy(data).reshape(-1, block_bytes)
-    values = kernel(blocks)
+    values = torch.empty(blocks.shape[0], block_elems, dtype=torch.float32)
+    for start in range(0, blocks.shape[0], _CHUNK_BLOCKS):  # (each value depends on its own block alone)
+        values[start : start + _CHUNK_BLOCKS] = kernel(blocks[start : start + _CHUNK_BLOCKS])
     return values.reshape(*outer, row_bytes // block_bytes * block_elems).numpy()

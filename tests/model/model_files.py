@@ -88,3 +88,94 @@ def step_logits(core: EngineCore, prompts: list[list[int]], params: SamplingPara
             logits[chunk.request_id].append(row.cpu().clone())
         core.finish_step(sched, StepResult(core.executor.runner.sample(step)[0], 0.0))
     return [torch.stack(logits[str(i)]) for i in range(len(prompts))]
+
+
+def write_gpt_oss_gguf(
+    source: Path,
+    path: Path,
+    experts: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.MXFP4,
+    fuse_gate_up: bool = False,
+    skip: tuple[str, ...] = (),
+) -> None:
+    """The gpt-oss directory ``source`` as llama.cpp's converter (``GptOssModel``) writes it, at ``path``: architecture
+    ``gpt-oss``, its keys (each expert's size, the window, YaRN's factor, original context and betas; the SwiGLU's limit
+    under ``swiglu_clamp_exp`` only where it is not llama.cpp's 7), the directory's vocabulary and chat template, the
+    tensors under ``gguf``'s name map in F32 (``attn_sinks.weight``, ``post_attention_norm``, the router as
+    ``ffn_gate_inp``) and the experts [experts, out, in] in ``experts`` (MXFP4 with ``gguf``'s quantizer: a directory of
+    MXFP4 blocks comes out with its own values), gate and up taken apart from transformers' interleaved columns, or one
+    tensor of gate's rows then up's with ``fuse_gate_up`` (its converter's --fuse-gate-up-exps). Tensors named in
+    ``skip`` are left out."""
+    from safetensors.torch import load_file
+
+    from boundless.model.mxfp4 import dequantize_mxfp4
+
+    config = json.loads((source / "config.json").read_text())
+    rope, layers, head_dim = config["rope_scaling"], config["num_hidden_layers"], config["head_dim"]
+    writer = gguf.GGUFWriter(path, arch=gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.GPT_OSS])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_block_count(layers)
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_expert_count(config["num_local_experts"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_expert_feed_forward_length(config["intermediate_size"])
+    writer.add_sliding_window(config["sliding_window"])
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+    writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    if config["swiglu_limit"] != 7.0:
+        writer.add_swiglu_clamp_exp([config["swiglu_limit"]] * layers)
+    add_bpe_vocabulary(writer, json.loads((source / "tokenizer.json").read_text()))
+    writer.add_bos_token_id(config["bos_token_id"])
+    writer.add_eos_token_id(config["eos_token_id"])
+    writer.add_chat_template(json.loads((source / "tokenizer_config.json").read_text())["chat_template"])
+
+    def add(name: str, tensor: torch.Tensor) -> None:
+        if name in skip:
+            return
+        array = tensor.float().contiguous().numpy()
+        if tensor.dim() == 3 and experts == gguf.GGMLQuantizationType.MXFP4:
+            writer.add_tensor(name, gguf.quants.quantize(array, experts), raw_dtype=experts)
+        else:
+            assert tensor.dim() < 3 or experts == gguf.GGMLQuantizationType.F32
+            writer.add_tensor(name, array)
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT_OSS, layers)
+    weights = load_file(str(source / "model.safetensors"))
+    for name, tensor in weights.items():
+        if name.endswith("_scales"):
+            continue  # (read with its blocks)
+        layer = name.split(".")[2] if name.startswith("model.layers.") else None
+        if name.endswith("_blocks"):  # [experts, out, in / 32, 16] as [experts, out, in]
+            name = name.removesuffix("_blocks")
+            tensor = dequantize_mxfp4(tensor, weights[name + "_scales"], torch.float32)
+        elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [experts, in, out] as [experts, out, in]
+            tensor = tensor.transpose(1, 2)
+        if name.endswith("experts.down_proj"):
+            add(f"blk.{layer}.ffn_down_exps.weight", tensor)
+        elif name.endswith("experts.down_proj_bias"):
+            add(f"blk.{layer}.ffn_down_exps.bias", tensor)
+        elif name.endswith(("experts.gate_up_proj", "experts.gate_up_proj_bias")):
+            leaf = "bias" if name.endswith("_bias") else "weight"
+            gate, up = tensor[:, 0::2], tensor[:, 1::2]  # (transformers' gate columns are the even ones, up's the odd)
+            if fuse_gate_up:
+                add(f"blk.{layer}.ffn_gate_up_exps.{leaf}", torch.cat([gate, up], dim=1))
+            else:
+                add(f"blk.{layer}.ffn_gate_exps.{leaf}", gate)
+                add(f"blk.{layer}.ffn_up_exps.{leaf}", up)
+        else:
+            gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+            assert gguf_name is not None, name
+            add(gguf_name + (".weight" if name.endswith(".sinks") else ""), tensor)  # (the converter adds it to sinks)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import math
 import time
 from collections.abc import Callable
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from gguf.constants import GGMLQuantizationType
-from model_files import llama_cpp_permute, step_logits, write_directory_gguf
+from model_files import llama_cpp_permute, step_logits, write_directory_gguf, write_gpt_oss_gguf
 from tokenizers import pre_tokenizers
 
 from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -25,14 +26,18 @@ from boundless.engine.sampling_params import SamplingParams
 from boundless.model.arch import ModelArch, RopeScaling
 from boundless.model.gguf import (
     GGUFModel,
+    _check_gpt_oss_experts,
     _longrope_attention_factor,
     _rope_scaling,
+    gguf_model_type,
     hf_tensor_name,
     llama3_rope_scaling_from_factors,
     load_gguf,
     model_arch_from_gguf,
     read_gguf_header,
+    read_gguf_metadata,
 )
+from boundless.model.gguf_quants import dequantize
 from boundless.model.llama import LlamaModel
 from boundless.model.loader import LoadedModel, load_model
 
@@ -715,6 +720,166 @@ def test_a_granite_gguf_file_runs_as_its_directory(model_dirs: dict[str, Path], 
         assert torch.equal(got, want), (i, (got - want).abs().max().item())
 
 
+# --------------------------------------------------------------------------------------------------
+# gpt-oss
+
+Q = GGMLQuantizationType
+# (directory, the experts' type in the file, gate and up fused): the Hub's files (llama.cpp's MXFP4 experts, here the
+# MXFP4 directory's own values) and files of unquantized experts, gate and up apart as llama.cpp's converter writes them
+# by default and fused as with its --fuse-gate-up-exps.
+GPT_OSS_FILES = {
+    "mxfp4": ("tiny-gpt-oss-mxfp4", Q.MXFP4, False),
+    "f32": ("tiny-gpt-oss", Q.F32, False),
+    "f32-fused": ("tiny-gpt-oss", Q.F32, True),
+}
+
+
+def _interleaved(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """transformers' gate_up_proj of llama.cpp's gate and up ([experts, rows, cols], or biases [experts, rows]): gate's
+    row r and up's row r as columns 2r and 2r + 1 ([experts, cols, 2 rows]; a bias's values so)."""
+    stacked = np.stack([gate, up], axis=2).reshape(gate.shape[0], 2 * gate.shape[1], *gate.shape[2:])
+    return stacked if gate.ndim == 2 else stacked.transpose(0, 2, 1)
+
+
+def test_mxfp4_dequantization_is_the_references_to_the_bit() -> None:
+    """ggml's MXFP4 blocks ([e8m0 exponent][16 bytes, value i in the low nibble of byte i, 16 + i in the high]) give
+    ``gguf``'s reference values bit for bit: every exponent (0 and 1 subnormal halves, 255 overflowing to infinity with
+    the largest values) and every nibble, in rows of several blocks, on read-only bytes as the file's mapping is."""
+    rng = np.random.default_rng(39)
+    raw = rng.integers(0, 256, size=(256, 3, 17), dtype=np.uint8)
+    raw[:, :, 0] = np.arange(256, dtype=np.uint8)[:, None]  # (each exponent in a row of its own)
+    raw = raw.reshape(4, 64, 3 * 17)
+    raw.flags.writeable = False
+    with np.errstate(over="ignore"):  # (the reference's own overflow to infinity, at exponent 255)
+        theirs = gguf.quants.dequantize(raw, Q.MXFP4).astype(np.float32)
+    ours = dequantize(raw, Q.MXFP4)
+    assert ours.shape == theirs.shape == (4, 64, 96) and ours.dtype == np.float32
+    assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
+    assert np.isinf(ours).any() and (ours.view(np.uint32) == 0x80000000).sum() == 0  # (no -0: the reference has none)
+
+
+@pytest.mark.parametrize("kind", sorted(GPT_OSS_FILES))
+def test_a_gpt_oss_gguf_file_reads_as_its_directory(model_dirs: dict[str, Path], tmp_path: Path, kind: str) -> None:
+    """llama.cpp's gpt-oss file: its architecture the directory's (biases on q/k/v and o, sinks, 8 experts of 2 a
+    token with biases, the SwiGLU's limit, every other layer's window from the first, untruncated YaRN), from the whole
+    file and from its header alone (the simulator's); its tensors the directory's to the bit, the experts stacked as
+    transformers holds them (gate and up interleaved by column), the MXFP4 experts the directory's MXFP4 values."""
+    from safetensors.torch import load_file
+
+    from boundless.model.mxfp4 import Mxfp4Checkpoint
+
+    source, experts, fused = GPT_OSS_FILES[kind]
+    path = tmp_path / f"{kind}.gguf"
+    write_gpt_oss_gguf(model_dirs[source], path, experts, fused)
+    meta = read_gguf_metadata(path)
+    assert meta["general.architecture"] == "gpt-oss" and gguf_model_type(meta) == "gpt_oss"
+    header = read_gguf_header(path)
+    parts = ("ffn_gate_up_exps",) if fused else ("ffn_gate_exps", "ffn_up_exps")
+    assert {header.tensors[f"blk.1.{p}.weight"].qtype for p in (*parts, "ffn_down_exps")} == {experts}
+    model, theirs = (
+        load_gguf(path),
+        ModelArch.from_hf_config(json.loads((model_dirs[source] / "config.json").read_text())),
+    )
+    arch = model.arch
+    assert dataclasses.replace(arch, eos_token_ids=theirs.eos_token_ids) == theirs
+    assert (arch.qkv_bias, arch.o_bias, arch.attention_sinks, arch.expert_biases) == (True, True, True, True)
+    assert (arch.num_experts, arch.num_experts_per_tok, arch.moe_intermediate_size, arch.sparse_layers) == (
+        8,
+        2,
+        32,
+        (0, 1),
+    )
+    assert (arch.swiglu_limit, arch.swiglu_alpha) == (2.0, 1.702)
+    assert (arch.sliding_window, arch.full_attention_layers) == (8, (1,))
+    assert arch.rope_scaling.kind == "yarn" and not arch.rope_scaling.truncate and arch.rope_scaling.factor == 32.0
+    alone = model_arch_from_gguf(header.metadata, {name: info.shape for name, info in header.tensors.items()})
+    assert dataclasses.replace(alone, eos_token_ids=theirs.eos_token_ids, bos_token_id=theirs.bos_token_id) == theirs
+    weights = dict(
+        Mxfp4Checkpoint().dequantized(iter(load_file(str(model_dirs[source] / "model.safetensors")).items()))
+    )
+    assert set(model.tensors) == set(weights)
+    for name, tensor in model.tensors.items():
+        assert tensor.dtype == torch.float32 and torch.equal(tensor, weights[name].float()), name
+
+
+def test_gpt_oss_mxfp4_experts_are_the_references(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """A gpt-oss file of float experts quantized to MXFP4 (the values change): each stacked expert tensor is ``gguf``'s
+    reference dequantization of the file's gate, up and down, put in transformers' layout, to the bit."""
+    path = tmp_path / "gpt-oss-quantized.gguf"
+    write_gpt_oss_gguf(model_dirs["tiny-gpt-oss"], path, Q.MXFP4)
+    header, raw = read_gguf_header(path), np.memmap(path, dtype=np.uint8, mode="r")
+
+    def reference(name: str) -> np.ndarray:
+        info = header.tensors[name]
+        assert info.qtype == Q.MXFP4
+        data = raw[info.offset : info.offset + info.nbytes].reshape(*info.shape[:-1], -1)
+        return gguf.quants.dequantize(data, Q.MXFP4).astype(np.float32)
+
+    tensors = load_gguf(path).tensors
+    for layer in range(2):
+        p, b = f"model.layers.{layer}.mlp.experts.", f"blk.{layer}."
+        gate_up = _interleaved(reference(b + "ffn_gate_exps.weight"), reference(b + "ffn_up_exps.weight"))
+        down = reference(b + "ffn_down_exps.weight").transpose(0, 2, 1)
+        for name, want in (("gate_up_proj", gate_up), ("down_proj", down)):
+            got = tensors[p + name].numpy()
+            assert got.shape == want.shape and np.array_equal(got.view(np.uint32), want.view(np.uint32)), name
+
+
+@pytest.mark.parametrize("kind", sorted(GPT_OSS_FILES))
+def test_a_gpt_oss_gguf_file_runs_as_its_directory(model_dirs: dict[str, Path], tmp_path: Path, kind: str) -> None:
+    """gpt-oss's files (llama.cpp's ``gpt-oss``: MXFP4 experts as the Hub's, or unquantized ones, gate and up apart or
+    fused): the same vocabulary and chat template as the directory, and the same logits at every step, to the bit, on
+    prompts past the window and the original context (64)."""
+    source, experts, fused = GPT_OSS_FILES[kind]
+    path = tmp_path / f"{kind}.gguf"
+    write_gpt_oss_gguf(model_dirs[source], path, experts, fused)
+    from_dir, from_file = load_model(str(model_dirs[source])), load_model(str(path))
+    assert from_file.arch.model_type == "gpt_oss"
+    assert dataclasses.replace(from_file.arch, eos_token_ids=from_dir.arch.eos_token_ids) == from_dir.arch
+    assert from_file.tokenizer.chat_template == from_dir.tokenizer.chat_template is not None
+    prompts = [from_dir.tokenizer.encode(text) for text in PHI4_MINI_TEXTS[512]]
+    assert [from_file.tokenizer.encode(text) for text in PHI4_MINI_TEXTS[512]] == prompts
+    assert all(len(p) > 64 for p in prompts)
+    ours, theirs = _greedy_with_logits(from_file, prompts, 512), _greedy_with_logits(from_dir, prompts, 512)
+    for i, (got, want) in enumerate(zip(ours, theirs, strict=True)):
+        assert torch.equal(got, want), (i, (got - want).abs().max().item())
+
+
+def test_a_gpt_oss_file_takes_llama_cpps_swiglu_and_refuses_missing_experts(
+    model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """A gpt-oss file without a limit (the Hub's: llama.cpp's converter writes none) runs llama.cpp's clamp, 7 with
+    alpha 1.702; one limit a layer is read, differing ones are refused. A file with gate's experts but not up's, or
+    neither, or both forms of them, is refused before anything is dequantized; so is a file without a layer's sinks."""
+    path = tmp_path / "gpt-oss.gguf"
+    write_gpt_oss_gguf(model_dirs["tiny-gpt-oss"], path, Q.F32)
+    header = read_gguf_header(path)
+    shapes = {name: info.shape for name, info in header.tensors.items()}
+    meta = dict(header.metadata)
+    assert meta.pop("gpt-oss.swiglu_clamp_exp") == [2.0, 2.0]
+    arch = model_arch_from_gguf(meta, shapes)
+    assert (arch.swiglu_limit, arch.swiglu_alpha) == (7.0, 1.702)
+    with pytest.raises(ValueError, match="swiglu_clamp_exp"):
+        model_arch_from_gguf({**meta, "gpt-oss.swiglu_clamp_exp": [2.0, 3.0]}, shapes)
+    for skip, error in (
+        (("blk.1.ffn_up_exps.weight",), r"holds \['gate'\] of model.layers.1.mlp.experts.gate_up_proj:"),
+        (("blk.0.ffn_gate_exps.bias", "blk.0.ffn_up_exps.bias"), r"lacks tensors for \['model.layers.0.mlp.experts"),
+        (("blk.1.attn_sinks.weight",), r"lacks tensors for \['model.layers.1.self_attn.sinks'\]"),
+    ):
+        broken = tmp_path / "broken.gguf"
+        write_gpt_oss_gguf(model_dirs["tiny-gpt-oss"], broken, Q.F32, skip=skip)
+        with pytest.raises(ValueError, match=error):
+            load_gguf(broken)
+    fused = tmp_path / "fused.gguf"
+    write_gpt_oss_gguf(model_dirs["tiny-gpt-oss"], fused, Q.F32, fuse_gate_up=True)
+    both = {
+        **read_gguf_header(fused).tensors,
+        "blk.0.ffn_gate_exps.weight": header.tensors["blk.0.ffn_gate_exps.weight"],
+    }
+    with pytest.raises(ValueError, match=r"holds \['gate', 'gate_up'\] of model.layers.0.mlp.experts.gate_up_proj"):
+        _check_gpt_oss_experts(both)
+
+
 def test_a_gemma2_file_without_its_window_or_caps_takes_llama_cpps(tmp_path: Path) -> None:
     """Gemma 2's early files (converters of mid-2024) hold neither its window nor its caps: llama.cpp's defaults (4,096
     on every other layer, 50 and 30), not none; a Gemma 2 file's window pattern is llama.cpp's whatever it says (its
@@ -742,6 +907,15 @@ def test_hf_tensor_names() -> None:
     assert hf_tensor_name("blk.12.ffn_down.weight") == "model.layers.12.mlp.down_proj.weight"
     assert hf_tensor_name("blk.3.attn_k.bias") == "model.layers.3.self_attn.k_proj.bias"
     assert hf_tensor_name("rope_freqs.weight") is None
+    assert (
+        hf_tensor_name("blk.2.post_attention_norm.weight", "gpt_oss")
+        == "model.layers.2.post_attention_layernorm.weight"
+    )
+    assert hf_tensor_name("blk.2.attn_sinks.weight", "gpt_oss") == "model.layers.2.self_attn.sinks"
+    assert hf_tensor_name("blk.2.attn_output.bias", "gpt_oss") == "model.layers.2.self_attn.o_proj.bias"
+    assert hf_tensor_name("blk.2.ffn_gate_inp.bias", "gpt_oss") == "model.layers.2.mlp.router.bias"
+    assert hf_tensor_name("blk.2.ffn_up_exps.bias", "gpt_oss") == "model.layers.2.mlp.experts.gate_up_proj_bias"
+    assert hf_tensor_name("blk.2.ffn_down_exps.weight", "gpt_oss") == "model.layers.2.mlp.experts.down_proj"
 
 
 def test_not_a_gguf_file(tmp_path: Path) -> None:
