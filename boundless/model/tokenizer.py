@@ -48,6 +48,13 @@ _QWEN2 = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+# o200k's (GPT-4o's and gpt-oss's tokenizer.json; llama.cpp's "gpt-4o"): cased words kept apart from what precedes them.
+_GPT4O = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
 
 @dataclass(frozen=True)
 class _PreTokenizer:
@@ -77,6 +84,7 @@ _GGUF_PRE_TOKENIZERS: dict[str, _PreTokenizer] = {
     "refact": _DIGITS_GPT2_PRE,
     "gpt-2": _GPT2_PRE,
     "gpt2": _GPT2_PRE,
+    "gpt-4o": _PreTokenizer((_GPT4O,)),
     "default": _DEFAULT_PRE,
 }
 SUPPORTED_GGUF_PRE_TOKENIZERS = tuple(sorted(_GGUF_PRE_TOKENIZERS))
@@ -95,8 +103,13 @@ _EOG_TEXTS = frozenset(
         "_<EOT>",
         "<｜end▁of▁sentence｜>",
         "<end_of_utterance>",
+        "<|return|>",
+        "<|call|>",
     }
 )
+# gpt-oss's harmony format ends each message with <|end|> and the answer with <|return|> (or a tool call with
+# <|call|>): a vocabulary that has both of these does not end at <|end|>, as llama.cpp rules it.
+_HARMONY_ENDS = ("<|return|>", "<|call|>")
 
 # The named special tokens Hugging Face passes to chat templates (``SPECIAL_TOKENS_ATTRIBUTES``).
 _NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -580,6 +593,10 @@ class Tokenizer:
         eos_id = metadata.get("tokenizer.ggml.eos_token_id")
         declared = [metadata.get(f"tokenizer.ggml.{kind}_token_id") for kind in ("eos", "eot", "eom")]
         by_text = [i for i, token in enumerate(tokens) if token in _EOG_TEXTS]
+        if set(_HARMONY_ENDS) <= {tokens[i] for i in by_text}:
+            not_ends = {i for i in (*declared, *by_text) if i is not None and tokens[i] == "<|end|>"}
+            declared = [i for i in declared if i not in not_ends]
+            by_text = [i for i in by_text if i not in not_ends]
         add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos_default))
         add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
         return cls(

@@ -210,6 +210,53 @@ def test_gguf_pre_tokenizers_match_transformers(metadata: dict[str, Any], pre: s
         assert ours.encode(text) == expected.encode(text, add_special_tokens=False).ids, text
 
 
+# gpt-oss's tokenizer.json splits its text with o200k's regex, then maps bytes (GGUF's "gpt-4o" pre-tokenizer).
+_O200K = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+    r"\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def test_gguf_gpt4o_pre_tokenizer_splits_as_gpt_oss_tokenizer_json(metadata: dict[str, Any]) -> None:
+    """llama.cpp's "gpt-4o" pre-tokenizer (gpt-oss's GGUF files): the SmolLM2 vocabulary's pieces under the pipeline
+    gpt-oss's tokenizer.json has (o200k's regex, isolated, then bytes), on cased words, contractions, digits, paths and
+    blank lines."""
+    from tokenizers import Regex, decoders, models, pre_tokenizers
+
+    meta = {**metadata, "tokenizer.ggml.pre": "gpt-4o", "tokenizer.ggml.add_bos_token": False}
+    reference = RustTokenizer(
+        models.BPE(
+            {t: i for i, t in enumerate(meta["tokenizer.ggml.tokens"])},
+            [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]],
+        )
+    )
+    reference.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(_O200K), "isolated"), pre_tokenizers.ByteLevel(False, use_regex=False)]
+    )
+    reference.decoder = decoders.ByteLevel()
+    control = list(zip(meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"], strict=True))
+    reference.add_special_tokens([t for t, kind in control if kind == 3])
+    ours = Tokenizer.from_gguf(meta)
+    texts = ["HelloWorld I'M YOU'RE we'Ll McDonald's", "1234567 89", "a/b/c\n\n  x//\n", "  (x) [y] {z}\n\n  \n"]
+    for text in TEXTS + DIGIT_TEXTS + texts:
+        assert ours.encode(text) == reference.encode(text, add_special_tokens=False).ids, text
+    gpt2 = Tokenizer.from_gguf({**meta, "tokenizer.ggml.pre": "gpt-2"})
+    assert any(ours.encode(text) != gpt2.encode(text) for text in texts)  # (the regex tells)
+
+
+def test_a_harmony_vocabulary_does_not_end_at_end(metadata: dict[str, Any]) -> None:
+    """gpt-oss's: <|end|> ends every message, <|return|> the answer and <|call|> a tool call; with both of these in
+    the vocabulary only they end the output (llama.cpp's rule), where <|end|> alone ends Phi-3's."""
+    tokens = list(metadata["tokenizer.ggml.tokens"])
+    tokens[10:13] = ["<|end|>", "<|return|>", "<|call|>"]
+    harmony = Tokenizer.from_gguf({**metadata, "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.eot_token_id": 10})
+    assert 10 not in harmony.eos_token_ids and {11, 12} <= set(harmony.eos_token_ids)
+    tokens[11:13] = ["x-return", "x-call"]
+    phi3 = Tokenizer.from_gguf({**metadata, "tokenizer.ggml.tokens": tokens})
+    assert 10 in phi3.eos_token_ids
+
+
 def test_llama3_adds_bos_by_default(metadata: dict[str, Any]) -> None:
     meta = {k: v for k, v in metadata.items() if k != "tokenizer.ggml.add_bos_token"}
     llama3 = Tokenizer.from_gguf({**meta, "tokenizer.ggml.pre": "llama-bpe"})
