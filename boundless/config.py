@@ -750,8 +750,9 @@ class ServerConfig:
     reasoning_parser: str | None = field(
         default=None,
         metadata={
-            "help": "deepseek_r1 or qwen3 (<think>...</think>), mistral ([THINK]...[/THINK]): return a reasoning "
-            "model's thinking as the message's reasoning, apart from its content (vLLM's flag)"
+            "help": "deepseek_r1 or qwen3 (<think>...</think>), mistral ([THINK]...[/THINK]), openai_gptoss "
+            "(gpt-oss's harmony messages: its analysis channel): return a reasoning model's thinking as the message's "
+            "reasoning, apart from its content (vLLM's flag)"
         },
     )
     chat_template: str | None = field(
@@ -783,8 +784,9 @@ class ServerConfig:
             "help": "read tool calls in this shape only (vLLM's names): hermes (JSON in <tool_call> tags), qwen3_coder "
             "or qwen3_xml (Qwen3-Coder's XML in them), llama3_json or llama4_json (bare JSON), pythonic or "
             "llama4_pythonic (a Python list of calls, Llama 3.2's and 4's), mistral ([TOOL_CALLS]), phi4_mini_json "
-            "(functools[...]), granite (a JSON list after <|tool_call|>), deepseek_v3 or deepseek_v31; without it, "
-            "all of them"
+            "(functools[...]), granite (a JSON list after <|tool_call|>), deepseek_v3 or deepseek_v31, openai "
+            "(gpt-oss's harmony calls to functions.NAME; its messages then read as --reasoning-parser openai_gptoss "
+            "reads them); without it, all of them"
         },
     )
     strict_tool_calls: bool = field(

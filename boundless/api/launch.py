@@ -19,6 +19,7 @@ import uvicorn
 from starlette.types import ASGIApp
 from uvicorn.main import STARTUP_FAILURE
 
+from boundless.api.reasoning import reasoning_parser_name
 from boundless.api.server import EngineClient, build_app, configured_chat_template
 from boundless.api.server_log import StatsLog
 from boundless.cluster.restarts import RestartPolicy, Restarts
@@ -91,7 +92,8 @@ def serve(config: EngineConfig, server: ServerConfig, cluster: ClusterConfig | N
     configured_chat_template(server)  # a bad --chat-template fails before the model loads
     check_bindable(server.host, server.port)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if server.structured_outputs_in_reasoning and not server.reasoning_parser:
+    reads_reasoning = reasoning_parser_name(server.reasoning_parser, server.tool_call_parser) is not None
+    if server.structured_outputs_in_reasoning and not reads_reasoning:
         log.warning("--structured-outputs-in-reasoning: with --reasoning-parser only; ignored here")
     engine = make_client(config, cluster or ClusterConfig(), server.max_waiting)
     # What start-up built (the model's objects, the imported modules, the engine) lives as long as the server: out

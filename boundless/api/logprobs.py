@@ -17,6 +17,31 @@ from boundless.engine.sampling_params import SamplingParams
 
 # A part of a text: its characters [start, end).
 Span = tuple[int, int]
+# A stretch of an answer copied from its output's text: where it begins in the answer, where in the text, its length
+# (a harmony answer gathers its messages' bodies from all over the output: ``api/harmony.py``).
+Stretch = tuple[int, int, int]
+
+
+def stretch_spans(spans: Sequence[Span], stretches: Sequence[Stretch]) -> list[Span]:
+    """Spans of an answer made of ``stretches`` of a text -> where they lie in the text: each span's part in each
+    stretch (what the answer holds between them, a separator, lies nowhere)."""
+    out = []
+    for a, b in spans:
+        for at, text_at, length in stretches:
+            lo, hi = max(a, at), min(b, at + length)
+            if lo < hi:
+                out.append((text_at + lo - at, text_at + hi - at))
+    return out
+
+
+def stretch_position(k: int, stretches: Sequence[Stretch]) -> int:
+    """Where the first ``k`` characters of an answer made of ``stretches`` end in the text: in the last stretch that
+    begins at or before them (past what lies between two stretches, which is not the answer's), 0 before any."""
+    at_text = 0
+    for at, text_at, length in stretches:
+        if at <= k:
+            at_text = text_at + min(k - at, length)
+    return at_text
 
 
 class TokenStarts:
@@ -77,17 +102,29 @@ class StreamedContent:
         if self._starts is not None:
             self._at += self._starts.add(t.token_id for t in tokens)
 
-    def release(self, text: str, answer: str | None, sent: int | None) -> list[SampledToken]:
+    def release(
+        self, text: str, answer: str | None, sent: int | None, stretches: Sequence[Stretch] | None = None
+    ) -> list[SampledToken]:
         """The tokens now known to be content, the output so far being ``text``, whose end after any reasoning is
         ``answer`` (None: the answer has not begun), of which ``sent`` characters went out as content (None: all of it
         goes out as it comes, the output being read for no calls). A token that starts before the answer is not
         content (the reasoning's); one that starts before the last sent character that is not blank is (blanks that
-        end what was sent are dropped should a call follow them)."""
+        end what was sent are dropped should a call follow them). ``stretches``: the answer is not the text's end but
+        these stretches of it (harmony's); a token is then content when it starts in one, and known to be or not once
+        it starts before where the answer's text (its part sent, read for calls) ends in the text."""
         if self._starts is None:
             out = self._tokens[self._decided :]
             self._decided = len(self._tokens)
         elif answer is None:
             return []
+        elif stretches is not None:
+            known = stretch_position(len(answer) if sent is None else len(answer[:sent].rstrip()), stretches)
+            out = []
+            while self._decided < len(self._tokens) and self._at[self._decided] < known:
+                start = self._at[self._decided]
+                if any(at <= start < at + length for _, at, length in stretches):
+                    out.append(self._tokens[self._decided])
+                self._decided += 1
         else:
             start = len(text) - len(answer)
             known = None if sent is None else start + len(answer[:sent].rstrip())

@@ -16,16 +16,36 @@ Mistral's reasoning models (Magistral; vLLM's ``mistral`` parser) write ``[THINK
 accord: an output that opens with ``[THINK]`` reasons, one that does not is all answer. Those tags are special tokens,
 which decoded text leaves out by default, so under that parser outputs keep their special tokens
 (:attr:`ReasoningParser.special_tags`).
+
+gpt-oss (vLLM's ``openai_gptoss``) writes OpenAI's harmony messages instead (``api/harmony.py``): its reasoning is its
+``analysis`` messages, wherever they fall, and its answer its ``final`` messages and preambles, with its function
+calls kept in it for ``tool_calls`` to read when the request's output is read for them
+(:class:`HarmonyReasoningParser`). ``--tool-call-parser openai``, which reads those calls, reads the output so even
+without this flag, as vLLM reads every gpt-oss output (:func:`reasoning_parser_name`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from boundless.api import harmony
+from boundless.api.logprobs import Stretch
 from boundless.api.tool_calls import partial_tag
 
-REASONING_PARSERS = ("deepseek_r1", "qwen3", "mistral")
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "mistral", "openai_gptoss")
+HARMONY_PARSER = "openai_gptoss"
+HARMONY_CALLS = "openai"  # (the --tool-call-parser that reads harmony's calls)
+
+
+def reasoning_parser_name(reasoning_parser: str | None, tool_call_parser: str | None) -> str | None:
+    """The reasoning parser a server reads outputs with: ``--reasoning-parser``'s, else gpt-oss's when
+    ``--tool-call-parser openai`` reads its harmony calls (they are among its messages, beside its reasoning, and vLLM
+    reads every gpt-oss output's messages so, with or without the flag)."""
+    if reasoning_parser is None and tool_call_parser == HARMONY_CALLS:
+        return HARMONY_PARSER
+    return reasoning_parser
 
 
 @dataclass(frozen=True)
@@ -55,7 +75,19 @@ class ReasoningParser:
             raise ValueError(f"unknown reasoning parser {name!r}; one of {', '.join(REASONING_PARSERS)}")
         if name == "mistral":
             return cls(name, "[THINK]", "[/THINK]", special_tags=True)
+        if name == HARMONY_PARSER:
+            return HarmonyReasoningParser(name)
         return cls(name, always_opens=name == "deepseek_r1")
+
+    def with_calls(self, read: bool) -> ReasoningParser:
+        """The parser for one request's outputs, whose answer is read for tool calls (``read``) or not: the same,
+        but for harmony's, whose answer keeps its calls only when they are read."""
+        return self
+
+    @property
+    def answer_after(self) -> str:
+        """The tag after which the answer begins: a grammar of the answer begins after it."""
+        return self.end
 
     def opens_in_reasoning(self, prompt_tail: str) -> bool:
         """Whether an output of a prompt ending with ``prompt_tail`` starts inside the reasoning: not when the prompt
@@ -95,6 +127,92 @@ class ReasoningParser:
             body = body[: len(body) - partial_tag(body, self.end)]
         return body, "", True
 
+    def stretches(self, text: str, opened: bool, final: bool) -> list[Stretch] | None:
+        """Where :meth:`visible`'s answer lies in ``text``, stretch by stretch (``logprobs.Stretch``); None when it is
+        the text's end (every parser's but harmony's, whose answer gathers messages from all over the output)."""
+        return None
+
+    def ends_in_reasoning(self, text: str, opened: bool) -> bool:
+        """Whether a finished output that had reasoning ended inside it (cut off before the end tag)."""
+        return self.end not in text
+
+    @property
+    def interleaves(self) -> bool:
+        """Whether reasoning may come after the answer began (harmony's analysis after a preamble); else the
+        reasoning is whole once the answer begins."""
+        return False
+
+    def answers_first(self, text: str, opened: bool) -> bool:
+        """Whether a finished output's answer began before its reasoning (never, but for harmony's)."""
+        return False
+
+    def reasoning_tokens(self, token_ids: Sequence[int], decode: Callable[[Sequence[int]], str], opened: bool) -> int:
+        """How many of an output's tokens are reasoning: up to the one that completes the end tag (all of them when
+        the output ended inside the reasoning, none when it had none). Found by bisection over decoded prefixes, so
+        a tag of several tokens counts as well as a single one."""
+        text = decode(token_ids)
+        if self.split(text, opened).reasoning is None:
+            return 0
+        if self.end not in text:
+            return len(token_ids)
+        lo, hi = 1, len(token_ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.end in decode(token_ids[:mid]):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+
+@dataclass(frozen=True)
+class HarmonyReasoningParser(ReasoningParser):
+    """gpt-oss's harmony messages (``api/harmony.py``): the reasoning is the ``analysis`` messages' bodies, the answer
+    the ``final`` messages' and preambles', and, with ``calls`` (:meth:`with_calls`), the function calls in the form
+    ``tool_calls`` reads. The tags are special tokens. ``start`` and ``end`` are an analysis message's opening and end
+    tag, which a thinking budget forces (the model then goes on to its answer or a call); an answer's grammar begins
+    after the final message's opening (:attr:`answer_after`, as vLLM's parser ends the reasoning there). A prompt
+    that opened an analysis message's body starts the output inside the reasoning; one that opened the final
+    message's closed it."""
+
+    start: str = f"{harmony.CHANNEL}{harmony.ANALYSIS}{harmony.MESSAGE}"
+    end: str = harmony.END
+    special_tags: bool = True
+    calls: bool = False
+
+    def with_calls(self, read: bool) -> ReasoningParser:
+        return dataclasses.replace(self, calls=read)
+
+    @property
+    def answer_after(self) -> str:
+        return f"{harmony.CHANNEL}final{harmony.MESSAGE}"
+
+    def opens_in_reasoning(self, prompt_tail: str) -> bool:
+        return harmony.opened_in(prompt_tail)
+
+    def closed_in(self, prompt_tail: str) -> bool:
+        return harmony.answered_in(prompt_tail)
+
+    def visible(self, text: str, opened: bool, final: bool) -> tuple[str, str, bool]:
+        reading = harmony.read(text, opened, final, self.calls)
+        return reading.reasoning, reading.answer, reading.seen
+
+    def stretches(self, text: str, opened: bool, final: bool) -> list[Stretch] | None:
+        return harmony.read(text, opened, final, self.calls).stretches
+
+    def ends_in_reasoning(self, text: str, opened: bool) -> bool:
+        return harmony.read(text, opened).in_reasoning
+
+    @property
+    def interleaves(self) -> bool:
+        return True
+
+    def answers_first(self, text: str, opened: bool) -> bool:
+        return harmony.read(text, opened).answer_first
+
+    def reasoning_tokens(self, token_ids: Sequence[int], decode: Callable[[Sequence[int]], str], opened: bool) -> int:
+        return harmony.reasoning_tokens(token_ids, decode, opened)
+
 
 class ReasoningStream:
     """One streamed output's reasoning and answer, each new piece once: :meth:`feed` the whole text so far."""
@@ -104,13 +222,20 @@ class ReasoningStream:
         self.opened = opened
         self.reasoning = ""  # sent so far
         self.content = ""
+        self._text, self._final = "", False
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
         """The reasoning and the answer that ``text`` adds to what was sent; ``final`` once the output ended."""
         reasoning, content, _ = self.parser.visible(text, self.opened, final)
         new_reasoning, new_content = reasoning[len(self.reasoning) :], content[len(self.content) :]
         self.reasoning, self.content = reasoning, content
+        self._text, self._final = text, final
         return new_reasoning, new_content
+
+    @property
+    def stretches(self) -> list[Stretch] | None:
+        """Where the answer so far (:attr:`content`) lies in the text last fed (:meth:`ReasoningParser.stretches`)."""
+        return self.parser.stretches(self._text, self.opened, self._final)
 
 
 @dataclass(frozen=True)
@@ -133,21 +258,19 @@ class ReasoningOutput:
         """A message's reasoning under vLLM's name and under DeepSeek's (vLLM's before 0.11), which clients read."""
         return {"reasoning": reasoning, "reasoning_content": reasoning}
 
+    def stretches(self, text: str) -> list[Stretch] | None:
+        """Where a finished output's answer lies in it (:meth:`ReasoningParser.stretches`)."""
+        return self.parser.stretches(text, self.opened, final=True)
+
+    def ended_in_reasoning(self, text: str) -> bool:
+        """Whether a finished output ended inside its reasoning (:meth:`ReasoningParser.ends_in_reasoning`)."""
+        return self.parser.ends_in_reasoning(text, self.opened)
+
+    def answers_first(self, text: str) -> bool:
+        """Whether a finished output's answer began before its reasoning (:meth:`ReasoningParser.answers_first`)."""
+        return self.parser.answers_first(text, self.opened)
+
     def tokens(self, token_ids: Sequence[int], decode: Callable[[Sequence[int]], str]) -> int:
-        """How many of an output's tokens are reasoning: up to the one that completes the end tag (all of them when
-        the output ended inside the reasoning, none when it had none). Found by bisection over decoded prefixes, so
-        a tag of several tokens counts as well as a single one."""
-        text = decode(token_ids)
-        if self.split(text).reasoning is None:
-            return 0
-        end = self.parser.end
-        if end not in text:
-            return len(token_ids)
-        lo, hi = 1, len(token_ids)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if end in decode(token_ids[:mid]):
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo
+        """How many of an output's tokens are reasoning (:meth:`ReasoningParser.reasoning_tokens`; ``decode``: the
+        tokenizer's, special tokens kept)."""
+        return self.parser.reasoning_tokens(token_ids, decode, self.opened)

@@ -514,6 +514,13 @@ class ResponsesAPI:
         prompt = server.chat_prompt(chat)
         if body.truncation == "auto" and not self._fits(prompt, body):
             chat, prompt = self._truncated(messages, chat_of, body)
+        tool_use = ToolUse(
+            bool(tools) and body.tool_choice != "none",
+            body.parallel_tool_calls,
+            parameter_types(chat_tools),
+            server.call_formats(_forces_call(body)),
+            _forces_call(body),  # (as chat's: a forced call cut off by the limit is a call, as far as it got)
+        )
         return _Call(
             response_id,
             int(time.time()),
@@ -524,15 +531,9 @@ class ResponsesAPI:
             ProgramRef(program_id, thread_id, tuple(body.parent_thread_ids or ())),
             logprobs,
             tools,
-            ToolUse(
-                bool(tools) and body.tool_choice != "none",
-                body.parallel_tool_calls,
-                parameter_types(chat_tools),
-                server.call_formats(_forces_call(body)),
-                _forces_call(body),  # (as chat's: a forced call cut off by the limit is a call, as far as it got)
-            ),
+            tool_use,
             lora,
-            None if server.reasoning is None else ReasoningOutput(server.reasoning, server.reasoning_opened(prompt)),
+            server.reasoning_output(prompt, tool_use),
         )
 
     def _fits(self, prompt: list[int], body: ResponsesRequest) -> bool:
@@ -611,12 +612,18 @@ class ResponsesAPI:
         return {"type": "reasoning", "id": call.reasoning_id, "summary": [], "content": [part], "status": status}
 
     def _finished(
-        self, call: _Call, choice: Choice, streamed: tuple[str, list[ToolCall]] | None = None
+        self,
+        call: _Call,
+        choice: Choice,
+        streamed: tuple[str, list[ToolCall]] | None = None,
+        answer_first: bool | None = None,
     ) -> dict[str, Any]:
         """The response's final body: the reasoning (with a reasoning parser, when there is any), a message (unless
         the output is calls alone, or reasoning cut off), then each call; stored unless ``store`` is false.
         ``streamed``: the content and calls as a stream read them (its content keeps blanks that begin text a call
-        follows, which the unstreamed one strips: they went out before the call was known)."""
+        follows, which the unstreamed one strips: they went out before the call was known). ``answer_first``: the
+        message comes before the reasoning, as a stream opened them (harmony's answer may begin before its reasoning:
+        a preamble, then analysis); None: as the output wrote them."""
         content: str | None = choice.text
         thought: str | None = None
         thought_tokens = 0
@@ -633,10 +640,16 @@ class ResponsesAPI:
         # OpenAI's rule: a response that reached max_output_tokens is incomplete, whatever it holds.
         incomplete = choice.finish_reason == "length"
         # The reasoning is whole once the answer began (a stream has said so by then); cut off only inside it.
-        thought_cut = incomplete and call.reasoning is not None and call.reasoning.parser.end not in choice.text
+        thought_cut = incomplete and call.reasoning is not None and call.reasoning.ended_in_reasoning(choice.text)
         items = [self._reasoning_item(call, thought, _status(thought_cut))] if thought else []
         if content or not (calls or thought):  # (its text is what was cut off unless calls followed it)
-            items.append(self._message_item(call, choice, content or "", _status(incomplete and not calls)))
+            message = self._message_item(call, choice, content or "", _status(incomplete and not calls))
+            if answer_first is None:
+                answer_first = call.reasoning is not None and call.reasoning.answers_first(choice.text)
+            if answer_first:
+                items.insert(0, message)
+            else:
+                items.append(message)
         items += [_function_call_item(c, incomplete) for c in calls]
         out = self._envelope(call, _status(incomplete), items)
         if incomplete:
@@ -698,9 +711,12 @@ class ResponsesAPI:
         # Read for function calls, the text streams until a call may have begun (ContentStream), as chat's does.
         content = ContentStream(call.tool_use.formats) if call.tools_used else None
         thoughts = call.reasoning.stream() if call.reasoning is not None else None
-        thought_at = {"item_id": call.reasoning_id, "output_index": 0, "content_index": 0}
+        thought_at = {"item_id": call.reasoning_id, "output_index": 0, "content_index": 0}  # (1 after the message)
         thought, thought_closed = "", False
         message_index = 0  # 1 once a reasoning item came first
+        # The reasoning is whole once the answer begins, but harmony's, whose analysis may follow a preamble: its item
+        # closes at the end.
+        closes_early = call.reasoning is None or not call.reasoning.parser.interleaves
 
         def close_thought(item: dict[str, Any]) -> Iterator[bytes]:
             nonlocal thought_closed
@@ -708,7 +724,7 @@ class ResponsesAPI:
             part = item["content"][0]
             yield event("response.reasoning_text.done", **thought_at, text=part["text"])
             yield event("response.content_part.done", **thought_at, part=part)
-            yield event("response.output_item.done", output_index=0, item=item)
+            yield event("response.output_item.done", output_index=thought_at["output_index"], item=item)
 
         # The message's logprobs go with its text, as chat's do: those of its content's tokens alone.
         tracked = None
@@ -724,17 +740,18 @@ class ResponsesAPI:
                 new_thought, new_answer = thoughts.feed(choice.text, final=delta.finished)
                 answer = thoughts.content
                 if new_thought:
-                    if not thought:  # the reasoning item opens with its first text
-                        message_index = 1
+                    if not thought:  # the reasoning item opens with its first text, after the message if that opened
+                        thought_at["output_index"], message_index = (1, 0) if opened else (0, 1)
                         item = self._reasoning_item(call, "", "in_progress")
-                        yield event("response.output_item.added", output_index=0, item={**item, "content": []})
+                        added = {**item, "content": []}
+                        yield event("response.output_item.added", output_index=thought_at["output_index"], item=added)
                         yield event("response.content_part.added", **thought_at, part=item["content"][0])
                     yield event("response.reasoning_text.delta", **thought_at, delta=new_thought)
                     thought += new_thought
             piece = new_answer if content is None else ("" if delta.finished else content.feed(answer))
             if not piece:
                 continue
-            if thought and not thought_closed:  # the answer begins: the reasoning is whole
+            if thought and not thought_closed and closes_early:  # the answer begins: the reasoning is whole
                 for chunk in close_thought(self._reasoning_item(call, thought, "completed")):
                     yield chunk
             at = {"item_id": call.message_id, "output_index": message_index, "content_index": 0}
@@ -747,7 +764,8 @@ class ResponsesAPI:
             if tracked is not None:
                 begun = answer if thoughts is None or answer else None
                 sent_so_far = None if content is None else content.sent  # (None: the answer all goes out as it comes)
-                new_logprobs = server.chat_logprobs(tracked.release(choice.text, begun, sent_so_far))
+                stretches = thoughts.stretches if thoughts is not None and begun is not None else None
+                new_logprobs = server.chat_logprobs(tracked.release(choice.text, begun, sent_so_far, stretches))
             yield event("response.output_text.delta", **at, delta=piece, logprobs=new_logprobs)
             sent, sent_logprobs = sent + piece, sent_logprobs + len(new_logprobs)
         if choice.finish_reason == "error":
@@ -767,7 +785,7 @@ class ResponsesAPI:
                 yield event("response.output_text.done", **at, text=sent, logprobs=[])
                 yield event("response.content_part.done", **at, part=part)
                 yield event("response.output_item.done", output_index=message_index, item=message)
-                output.append(message)
+                output.insert(message_index, message)  # (before the reasoning, where it came first)
             failed = self._envelope(call, "failed", output)
             error = failure_error([(choice.finish_reason, choice.stop_reason)])
             assert error is not None
@@ -777,7 +795,9 @@ class ResponsesAPI:
         answer = thoughts.content if thoughts is not None else choice.text
         at_length = choice.finish_reason == "length"
         rest, calls = call.tool_use.finish(content, answer, at_length) if content is not None else ("", [])
-        final = self._finished(call, choice, (sent + rest, calls) if content is not None else None)
+        # (The message first where it opened before any reasoning did, as the stream has numbered them.)
+        answer_first = opened and (not thought or thought_at["output_index"] == 1)
+        final = self._finished(call, choice, (sent + rest, calls) if content is not None else None, answer_first)
         for index, item in enumerate(final["output"]):
             if item["type"] == "reasoning":
                 if not thought_closed:

@@ -34,6 +34,8 @@ from boundless.api.conversation import InvalidMessage, template_conversation
 from boundless.api.cors import with_cors
 from boundless.api.errors import APIError, CancelledRequests, error_bytes, install_error_handlers
 from boundless.api.guards import APIKeyAuth, BodyLimit
+from boundless.api.harmony import harmony_turns
+from boundless.api.harmony import open_call as harmony_open_call
 from boundless.api.json_text import UNREADABLE_JSON
 from boundless.api.logprobs import (
     Span,
@@ -41,10 +43,12 @@ from boundless.api.logprobs import (
     StreamedOffsets,
     TokenStarts,
     content_tokens,
+    stretch_spans,
     text_offsets,
 )
 from boundless.api.metrics import ServerMetrics
-from boundless.api.reasoning import ReasoningOutput, ReasoningParser
+from boundless.api.reasoning import HARMONY_PARSER as HARMONY_REASONING
+from boundless.api.reasoning import ReasoningOutput, ReasoningParser, reasoning_parser_name
 from boundless.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -57,6 +61,7 @@ from boundless.api.strict_calls import forced_calls_tag, strict_call_format, str
 from boundless.api.tool_calls import (
     ALL_FORMATS,
     BARE_JSON,
+    HARMONY,
     TAGGED_JSON,
     TOOL_CALL_PARSERS,
     TOOL_CALL_TAG,
@@ -385,7 +390,7 @@ class ToolUse:
         cut_at = None
         if at_length:
             held_at, begun = self.begun_calls(text)
-            if self._cut_inside(text, calls, begun):
+            if self._cut_inside(text, calls, begun, self.formats):
                 content, calls, cut_at = (text[:held_at].strip() or None), begun, held_at
         return content, calls if self.parallel else calls[:1], cut_at
 
@@ -401,18 +406,20 @@ class ToolUse:
     def cut_off(self, text: str, calls: list[ToolCall]) -> bool:
         """Whether an output that ended at ``max_tokens``, whose parsed calls are ``calls``, was cut off inside a call
         it had begun (:meth:`read` reads it so)."""
-        return self._cut_inside(text, calls, self.begun_calls(text)[1])
+        return self._cut_inside(text, calls, self.begun_calls(text)[1], self.formats)
 
     @staticmethod
-    def _cut_inside(text: str, calls: list[ToolCall], begun: list[ToolCall]) -> bool:
+    def _cut_inside(text: str, calls: list[ToolCall], begun: list[ToolCall], formats: CallFormats) -> bool:
         """Whether the output was cut off inside a call it had begun (``begun``: as a stream sent them): none of its
-        calls parse, or a later one had begun past those that do (its name written), or its text after the last
-        closed ``<tool_call>`` block is the start of another (``<tool_c``; ``<tool_call>`` with its name not yet
-        whole)."""
+        calls parse, or a later one had begun past those that do (its name written), or a harmony call did not end
+        (read in ``formats``), or its text after the last closed ``<tool_call>`` block is the start of another
+        (``<tool_c``; ``<tool_call>`` with its name not yet whole)."""
         if not begun:
             return False
         if not calls or len(begun) > len(calls):
             return True
+        if HARMONY in formats and harmony_open_call(text):
+            return True  # (harmony's last call without its end: its arguments as far as they got)
         closed = tagged_blocks(text)
         tail = text[closed[-1][1] :].lstrip() if closed else ""
         return bool(tail) and (tail.startswith(TOOL_CALL_TAG) or TOOL_CALL_TAG.startswith(tail))
@@ -671,7 +678,9 @@ class OpenAIServer:
         self.strict_format = strict_call_format(self.call_formats(forced=False), tools_template)
         # Whether outputs read for calls keep their special tokens (Mistral's [TOOL_CALLS] is one, as vLLM keeps it).
         self.special_calls = keeps_special_tokens(config.tool_call_parser, tools_template)
-        self.reasoning = ReasoningParser.named(config.reasoning_parser) if config.reasoning_parser else None
+        # (--tool-call-parser openai alone reads gpt-oss's messages with its reasoning parser: reasoning_parser_name)
+        reasoning = reasoning_parser_name(config.reasoning_parser, config.tool_call_parser)
+        self.reasoning = ReasoningParser.named(reasoning) if reasoning else None
         self.metrics = ServerMetrics(client.stats, getattr(client, "cluster_metrics", None))
         client.add_finished_listener(self._observe)
         self.created = int(time.time())
@@ -790,8 +799,11 @@ class OpenAIServer:
                 "chat_template",
                 "unsupported_parameter",
             )
+        turns = [m.model_dump(exclude_none=True) for m in body.messages]
+        if self.reasoning is not None and self.reasoning.name == HARMONY_REASONING:
+            turns = harmony_turns(turns)
         try:
-            messages = template_conversation([m.model_dump(exclude_none=True) for m in body.messages])
+            messages = template_conversation(turns)
         except InvalidMessage as e:
             raise APIError(400, str(e), e.param, e.code) from e
         excluded = body.tool_choice == "none" and self.config.exclude_tools_when_tool_choice_none
@@ -901,6 +913,14 @@ class OpenAIServer:
         assert self.reasoning is not None
         return self.reasoning.opens_in_reasoning(self._prompt_tail(prompt))
 
+    def reasoning_output(self, prompt: list[int], tools: ToolUse, include: bool = True) -> ReasoningOutput | None:
+        """How an output of ``prompt`` is read for its reasoning (None: no parser), its answer read for calls as
+        ``tools`` says (harmony's answer keeps its calls only when they are read in its format)."""
+        if self.reasoning is None:
+            return None
+        parser = self.reasoning.with_calls(tools.used and HARMONY in tools.formats)
+        return ReasoningOutput(parser, self.reasoning_opened(prompt), include)
+
     def after_reasoning(self, structured: StructuredOutput | None, prompt: list[int]) -> StructuredOutput | None:
         """A reasoning model's grammar begins once it has finished thinking (its end tag), as vLLM's does, unless the
         prompt closed the thinking already or ``--structured-outputs-in-reasoning`` holds the thinking to it too."""
@@ -909,8 +929,7 @@ class OpenAIServer:
             return structured
         if parser.closed_in(self._prompt_tail(prompt)):
             return structured
-        end = self._tag_ids(parser.end)
-        return dataclasses.replace(structured, after=end)
+        return dataclasses.replace(structured, after=self._tag_ids(parser.answer_after))
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         check_common(body, self.tokenizer.vocab_size, self.client.max_logprobs)
@@ -965,9 +984,7 @@ class OpenAIServer:
             if e.param == "prompt":  # (as OpenAI's chat names it)
                 raise e.renamed("messages") from e
             raise
-        reasoning = None
-        if self.reasoning is not None:
-            reasoning = ReasoningOutput(self.reasoning, self.reasoning_opened(ids), body.include_reasoning)
+        reasoning = self.reasoning_output(ids, tools, body.include_reasoning)
         if body.stream:
             include_usage, running_usage = body.stream_options.usage_wanted() if body.stream_options else (False, False)
             replayed = await self.started(streams, request)
@@ -1123,7 +1140,8 @@ class OpenAIServer:
                 spans = self.message_spans(c.text, tools, reasoning, c.finish_reason == "length")
                 return logprobs[index].finish(spans, len(c.text))
             begun = answer if reasoning is None or answer else None
-            return logprobs[index].release(c.text, begun, contents[index].sent if tools.used else None)
+            stretches = thoughts[index].stretches if reasoning is not None and begun is not None else None
+            return logprobs[index].release(c.text, begun, contents[index].sent if tools.used else None, stretches)
 
         def lp(tokens: list[SampledToken]) -> dict[str, Any] | None:
             return {"content": self.chat_logprobs(tokens, as_ids)} if logprobs else None
@@ -1495,8 +1513,12 @@ class OpenAIServer:
         answer: str | None = text if reasoning is None else reasoning.split(text).content
         if answer is None:
             return []
+        spans = tools.content_spans(answer, at_length)
+        stretches = None if reasoning is None else reasoning.stretches(text)
+        if stretches is not None:  # (harmony's answer: stretches of the output's messages)
+            return stretch_spans(spans, stretches)
         begins = len(text) - len(answer)  # (the answer ends the output)
-        return [(begins + start, begins + end) for start, end in tools.content_spans(answer, at_length)]
+        return [(begins + start, begins + end) for start, end in spans]
 
     def message_logprobs(
         self,

@@ -19,7 +19,10 @@ gives them. Phi-4-mini writes ``functools[...]``, a JSON list of call objects (v
 DeepSeek's templates (V3, R1 and its Qwen and Llama distills) write calls between ``<｜tool▁calls▁begin｜>`` and
 ``<｜tool▁calls▁end｜>``, each ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`` then its arguments in a JSON fence
 (V3.1: ``NAME<｜tool▁sep｜>`` and the bare object) and ``<｜tool▁call▁end｜>`` (vLLM's ``deepseek_v3``,
-``deepseek_v31``).
+``deepseek_v31``). gpt-oss writes OpenAI's harmony messages, a call being a message to ``functions.NAME`` whose body is
+its arguments (vLLM's ``openai``); its reasoning parser (``api/harmony.py``) leaves them in the answer in one form,
+``<|start|>assistant to=functions.NAME<|message|>{...}<|call|>``, which is read here as a call whatever its body holds
+or however far it got (the recipient made it one).
 
 A ``tool_choice`` that forces a call (``required``, or a named function) holds the output to the model's own tagged
 calls where the server knows its format (``api/strict_calls.py``), else to the bare JSON shape with a JSON schema
@@ -39,6 +42,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
+from boundless.api import harmony
 from boundless.api.call_scanner import (
     ARGUMENT_KEYS,
     CallScanner,
@@ -62,11 +66,14 @@ _TYPE_ALIASES = {"int": "integer", "float": "number", "double": "number", "bool"
 ParameterTypes = dict[str, dict[str, Any]]
 
 # The shapes of calls in an output: JSON in <tool_call> blocks, XML in them, bare JSON, a Python list of calls,
-# Mistral's calls after [TOOL_CALLS], Phi-4-mini's functools[...] list, and DeepSeek's <｜tool▁call▁begin｜> calls.
+# Mistral's calls after [TOOL_CALLS], Phi-4-mini's functools[...] list, DeepSeek's <｜tool▁call▁begin｜> calls, and
+# harmony's calls as its reasoning parser leaves them in the answer.
 TAGGED_JSON, TAGGED_XML, BARE_JSON, PYTHONIC = "tagged-json", "tagged-xml", "bare-json", "pythonic"
-MISTRAL, FUNCTOOLS, DEEPSEEK = "mistral", "functools", "deepseek"
+MISTRAL, FUNCTOOLS, DEEPSEEK, HARMONY = "mistral", "functools", "deepseek", "harmony"
 CallFormats = frozenset[str]
-ALL_FORMATS: CallFormats = frozenset({TAGGED_JSON, TAGGED_XML, BARE_JSON, PYTHONIC, MISTRAL, FUNCTOOLS, DEEPSEEK})
+ALL_FORMATS: CallFormats = frozenset(
+    {TAGGED_JSON, TAGGED_XML, BARE_JSON, PYTHONIC, MISTRAL, FUNCTOOLS, DEEPSEEK, HARMONY}
+)
 # vLLM's --tool-call-parser names -> the shapes each reads (without the flag, all of them).
 TOOL_CALL_PARSERS: dict[str, CallFormats] = {
     "hermes": frozenset({TAGGED_JSON}),
@@ -83,6 +90,7 @@ TOOL_CALL_PARSERS: dict[str, CallFormats] = {
     "granite": frozenset({TAGGED_JSON, BARE_JSON}),
     "deepseek_v3": frozenset({DEEPSEEK}),  # (V3's and R1's calls, and V3.1's: either reads both)
     "deepseek_v31": frozenset({DEEPSEEK}),
+    "openai": frozenset({HARMONY}),  # (gpt-oss's harmony calls: its reasoning parser reads them out of its messages)
 }
 MISTRAL_TAG = "[TOOL_CALLS]"  # (Mistral's special token before its calls)
 FUNCTOOLS_TAG = "functools["  # (Phi-4-mini's, its list's bracket with it)
@@ -122,9 +130,12 @@ def keeps_special_tokens(parser: str | None, template: str | None) -> bool:
     """Whether outputs read for tool calls are decoded with their special tokens (vLLM's mistral and hermes parsers
     set ``skip_special_tokens`` false so): Mistral's ``[TOOL_CALLS]`` and ``[ARGS]`` are special tokens, and without
     them a v11 call is its name run into its arguments; some Hermes models' ``<tool_call>`` tags are too (Hermes 2
-    Pro's). Under ``--tool-call-parser mistral`` or ``hermes``, or without a parser, when the chat template
+    Pro's); harmony's tags all are (``openai``, whose reasoning parser keeps them for every output). Under
+    ``--tool-call-parser mistral``, ``hermes`` or ``openai``, or without a parser, when the chat template
     (``template``, its source) writes ``[TOOL_CALLS]``."""
-    return parser in ("mistral", "hermes") or (parser is None and template is not None and MISTRAL_TAG in template)
+    return parser in ("mistral", "hermes", "openai") or (
+        parser is None and template is not None and MISTRAL_TAG in template
+    )
 
 
 def parameter_types(tools: list[dict[str, Any]] | None) -> ParameterTypes:
@@ -418,20 +429,22 @@ def _named_call(
 
 
 def marked_calls(text: str, formats: CallFormats) -> list[tuple[int, int, list[ToolCall]]]:
-    """The calls after the tags of Mistral (``[TOOL_CALLS]``), Phi-4-mini (``functools[``) and DeepSeek
-    (``<｜tool▁call▁begin｜>``), those of ``formats``, in ``text``: each tag's span with its calls (a DeepSeek call's
-    with the tags and fence around it), and those calls, in order. Mistral's tag is followed by a JSON list of calls
-    (before v11) or one call by name (v11 on, a tag each); calls read there get Mistral's ids. A tag whose calls do not
-    read whole (cut off) is no call: it stays in the text."""
-    tags = [
-        t for f, t in ((MISTRAL, MISTRAL_TAG), (FUNCTOOLS, FUNCTOOLS_TAG), (DEEPSEEK, DEEPSEEK_CALL)) if f in formats
-    ]
+    """The calls after the tags of Mistral (``[TOOL_CALLS]``), Phi-4-mini (``functools[``), DeepSeek
+    (``<｜tool▁call▁begin｜>``) and harmony (``harmony.CALL_TAG``), those of ``formats``, in ``text``: each tag's span
+    with its calls (a DeepSeek call's with the tags and fence around it), and those calls, in order. Mistral's tag is
+    followed by a JSON list of calls (before v11) or one call by name (v11 on, a tag each); calls read there get
+    Mistral's ids. A tag whose calls do not read whole (cut off) is no call: it stays in the text; but a harmony call is
+    one however far it got (its message's header, whole, made it one)."""
+    marks = ((MISTRAL, MISTRAL_TAG), (FUNCTOOLS, FUNCTOOLS_TAG), (DEEPSEEK, DEEPSEEK_CALL), (HARMONY, harmony.CALL_TAG))
+    tags = [t for f, t in marks if f in formats]
     found, pos = [], 0
     while tags and (hits := [(at, t) for t in tags if (at := text.find(t, pos)) >= 0]):
         at, tag = min(hits)
         after = at + len(tag)
         if tag == FUNCTOOLS_TAG:
             end, calls = _json_calls(text, after - 1)  # (the list's bracket is the tag's last character)
+        elif tag == harmony.CALL_TAG:
+            end, calls = _harmony_call(text, at)
         elif tag == DEEPSEEK_CALL:
             end, calls = _named_call(text, after, deepseek_call_name)
             if calls:
@@ -447,6 +460,16 @@ def marked_calls(text: str, formats: CallFormats) -> list[tuple[int, int, list[T
             found.append((at, end, calls))
         pos = end if calls else after
     return found
+
+
+def _harmony_call(text: str, at: int) -> tuple[int, list[ToolCall]]:
+    """The harmony call whose tag is at ``at`` (``harmony.marked_call``): where it ends, and the call; ``(at, [])``
+    when its name is not whole."""
+    found = harmony.marked_call(text, at)
+    if found is None:
+        return at, []
+    end, name, arguments, _ = found
+    return end, [ToolCall(name, arguments)]
 
 
 def _deepseek_span(text: str, at: int, end: int) -> tuple[int, int]:
@@ -547,9 +570,11 @@ XML_FUNCTION_TAG = "<function="
 
 def call_tags(formats: CallFormats) -> list[str]:
     """The tags that begin calls of ``formats``: Hermes' ``<tool_call>`` (JSON or XML in it), Mistral's
-    ``[TOOL_CALLS]``, Phi-4-mini's ``functools[``, DeepSeek's ``<｜tool▁call▁begin｜>`` (each call's)."""
+    ``[TOOL_CALLS]``, Phi-4-mini's ``functools[``, DeepSeek's ``<｜tool▁call▁begin｜>`` (each call's), harmony's
+    ``harmony.CALL_TAG``."""
     tagged = [(TOOL_CALL_TAG, formats & {TAGGED_JSON, TAGGED_XML}), (MISTRAL_TAG, MISTRAL in formats)]
     others = [(FUNCTOOLS_TAG, FUNCTOOLS in formats), (DEEPSEEK_CALL, DEEPSEEK in formats)]
+    others.append((harmony.CALL_TAG, HARMONY in formats))
     return [tag for tag, read in [*tagged, *others] if read]
 
 
@@ -572,8 +597,8 @@ class ContentStream:
         self.formats = formats
         # An output that opens with one of these may be calls: JSON (bare calls), a list (Python calls too).
         self.openers = "{[" if BARE_JSON in formats else "[" if PYTHONIC in formats else ""
-        # The tags that begin one: <tool_call>, <function= (Qwen3-Coder's call without its block's tag), Mistral's
-        # and Phi-4-mini's.
+        # The tags that begin one: <tool_call>, <function= (Qwen3-Coder's call without its block's tag), Mistral's,
+        # Phi-4-mini's, DeepSeek's and harmony's.
         self.tags = call_tags(formats) + ([XML_FUNCTION_TAG] if TAGGED_XML in formats else [])
         self.tags += [DEEPSEEK_CALLS] if DEEPSEEK in formats else []  # (the calls' tag, before the first call's)
 
@@ -616,10 +641,11 @@ class CallStream:
     its index, id and name, once the name is complete and its arguments' object has begun, and the arguments' text
     so far; the next ones the text added since. The calls are read from where :class:`ContentStream` held the
     output: a Hermes ``<tool_call>`` block each, Mistral's calls after each ``[TOOL_CALLS]`` (a JSON list, or a call
-    by name, its arguments streamed as they are written, with Mistral's ids), Phi-4-mini's ``functools[`` list, or,
-    when a forced call's grammar writes it, the bare JSON the output opens with. Bare JSON the model wrote unforced
-    streams no call: the parser reads it as calls only when nothing but blanks follows it (``{...} and more text`` is
-    an answer, all of it), which is known only when the output ends, so its calls come whole from :meth:`finish`.
+    by name, its arguments streamed as they are written, with Mistral's ids), Phi-4-mini's ``functools[`` list, a
+    harmony call (its message's body as it is written), or, when a forced call's grammar writes it, the bare JSON the
+    output opens with. Bare JSON the model wrote unforced streams no call: the parser reads it as calls only when
+    nothing but blanks follows it (``{...} and more text`` is an answer, all of it), which is known only when the
+    output ends, so its calls come whole from :meth:`finish`.
     ``parallel=False`` streams the first call only; ``tools``: the request's tool names, the only names a bare call
     may have, as the parser reads it (None: not known, any); ``forced``: a forced call's (its grammar writes calls
     throughout, so bare ones stream as they are written); ``formats``: the shapes the parser reads (Python calls come
@@ -642,7 +668,7 @@ class CallStream:
         self._bare: bool | None = None  # the calls are the JSON the output opens with (else after tags)
         # One a document: the bare JSON, or each block's, each Mistral call's or list, each functools list; and
         # whether its calls are Mistral's.
-        self._scanners: list[CallScanner | NamedCallScanner] = []
+        self._scanners: list[CallScanner | NamedCallScanner | harmony.HarmonyCallScanner] = []
         self._mistral: list[bool] = []
         self._searched = 0  # (no tag begins before here that has not been read)
         self._ids: list[str] = []  # each begun call's id
@@ -695,7 +721,7 @@ class CallStream:
                     deltas.append({"index": index, "function": {"arguments": piece}})
         return deltas
 
-    def _add(self, scanner: CallScanner | NamedCallScanner, mistral: bool) -> None:
+    def _add(self, scanner: CallScanner | NamedCallScanner | harmony.HarmonyCallScanner, mistral: bool) -> None:
         self._scanners.append(scanner)
         self._mistral.append(mistral)
 
@@ -717,6 +743,8 @@ class CallStream:
             self._add(CallScanner(after - 1), mistral=False)  # (the list's bracket is the tag's last character)
         elif tag == DEEPSEEK_CALL:
             self._add(NamedCallScanner(after, deepseek_call_name), mistral=False)
+        elif tag == harmony.CALL_TAG:
+            self._add(harmony.HarmonyCallScanner(after), mistral=False)
         elif (first := _skip_blanks(text, after)) == len(text):
             return False
         else:  # Mistral's: a JSON list of calls (before v11), else a call by name
