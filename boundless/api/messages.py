@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from boundless.api.agent_sessions import claude_code_session
+from boundless.api.chunk_json import sse_json
 from boundless.api.errors import APIError, anthropic_error, part_error
 from boundless.api.json_text import UNREADABLE_JSON
 from boundless.api.schemas import (
@@ -310,7 +311,7 @@ def message_of(chat: dict[str, Any], model: str) -> dict[str, Any]:
 
 
 def _event(kind: str, data: dict[str, Any]) -> bytes:
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n".encode()
+    return f"event: {kind}\ndata: {sse_json({'type': kind, **data})}\n\n".encode()
 
 
 class EventWriter:

@@ -38,6 +38,7 @@ from pydantic import (
 )
 
 from boundless.api.agent_sessions import program_named
+from boundless.api.chunk_json import sse_json
 from boundless.api.errors import APIError, part_error
 from boundless.api.json_text import UNREADABLE_JSON
 from boundless.api.reasoning import ReasoningOutput
@@ -703,7 +704,7 @@ class ResponsesAPI:
             nonlocal sequence
             payload = {"type": kind, "sequence_number": sequence, **fields}
             sequence += 1
-            return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+            return f"event: {kind}\ndata: {sse_json(payload)}\n\n".encode()
 
         yield event("response.created", response=self._envelope(call, "in_progress", []))
         yield event("response.in_progress", response=self._envelope(call, "in_progress", []))

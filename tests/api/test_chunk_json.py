@@ -1,4 +1,5 @@
-"""A stream's chunks written by ChunkJSON are the text json.dumps gave, byte for byte."""
+"""A stream's chunks written by ChunkJSON are the text json.dumps gave, byte for byte, but for the line breaks past
+ASCII that str.splitlines ends a line at, written escaped: each event one line to any reader."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from boundless.api.chunk_json import ChunkJSON
+from boundless.api.chunk_json import ChunkJSON, escape_line_breaks
 
 # Text as a detokenizer hands it out: any characters, quotes, backslashes, controls, line separators, emoji.
 TEXTS = st.text(alphabet=st.characters(codec="utf-8"), max_size=40) | st.sampled_from(
@@ -28,7 +29,9 @@ def _dumped(fields: dict[str, Any], fingerprint: str, choices: list, include_usa
     body = {**fields, "system_fingerprint": fingerprint, "choices": choices, **more}
     if include_usage:
         body["usage"] = usage
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
+    event = f"data: {escape_line_breaks(json.dumps(body, ensure_ascii=False))}\n\n"
+    assert json.loads(event.splitlines()[0].removeprefix("data: ")) == body  # (one line, the same value)
+    return event.encode()
 
 
 @given(FIELDS, TEXTS, st.integers(0, 300), TEXTS, st.booleans())
