@@ -162,4 +162,4 @@ def merge_with_sinks(part: AttentionPartial, sinks: torch.Tensor) -> torch.Tenso
     exp(sink - m))``. It is one more key of every row, merged once after the partials over every real key (local,
     lent) are; a row that attended to nothing is zero."""
     denominator = part.e + torch.exp(sinks.float().view(-1, 1) - part.m)
-    return part.o / denominator.to(part.o.dtype)
+    return (part.o.float() / denominator).to(part.o.dtype)  # (in fp32: a large denominator overflows float16)

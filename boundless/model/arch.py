@@ -49,6 +49,8 @@ CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     # (GptOssConfig's: YaRN over a 4,096-token original context to 131,072, every other layer a 128-token window from
     # the first, biases on every projection of attention.)
     "gpt_oss": {
+        "torch_dtype": "bfloat16",  # (not GptOssConfig's: the Hub's configs name none, and its tensors are bfloat16)
+        "num_local_experts": 128,
         "head_dim": 64,
         "num_key_value_heads": 8,
         "sliding_window": 128,
@@ -511,6 +513,8 @@ class ModelArch:
         qwen3_experts = cfg.get("num_experts") or cfg.get("num_local_experts")
         local_experts = int(cfg.get("num_local_experts") or 0)
         experts_by_type = {"qwen3_moe": int(qwen3_experts or 0), "mixtral": local_experts, "gpt_oss": local_experts}
+        if model_type == "gpt_oss" and cfg.get("num_experts"):  # (GptOssConfig's alias of num_local_experts)
+            experts_by_type["gpt_oss"] = int(cfg["num_experts"])
         experts = experts_by_type.get(model_type, 0)
         expert_size = cfg.get("moe_intermediate_size") if model_type == "qwen3_moe" else cfg.get("intermediate_size")
         step = int(cfg.get("decoder_sparse_step") or 1)

@@ -57,8 +57,9 @@ def linear(
         return fp8_linear(x, weight, scale, bias, None if widened is None else widened.matmul)
     if x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= _CPU_SMALL_BATCH:
         # Transposing back to row-major keeps every later op (and the next matmul) on the layout it expects.
-        out = torch.mm(weight, x.t()).t().contiguous()
-        return out + bias if bias is not None else out
+        # (A bias joins the product before its one rounding, as F.linear's: added after, a 16-bit sum rounded twice.)
+        out = torch.mm(weight, x.t()) if bias is None else torch.addmm(bias.unsqueeze(1), weight, x.t())
+        return out.t().contiguous()
     return F.linear(x, weight, bias)
 
 
@@ -300,9 +301,10 @@ class DecoderLayer(nn.Module):
         if not self.widened_experts or moe.packed_router is None:
             self.widened_experts = moe.pack()
 
-    def product(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        """``x`` times the matrix ``name`` (qkv, o, gate_up or down), with its bias: the PyTorch path's products."""
-        bias = self.qkv_bias if name == "qkv" else None
+    def product(self, name: str, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` times the matrix ``name`` (qkv, o, gate_up or down), with its bias (q/k/v's, or ``bias`` given): the
+        PyTorch path's products."""
+        bias = self.qkv_bias if name == "qkv" else bias
         weight = getattr(self, f"{name}_weight")
         return linear(x, weight, bias, getattr(self, f"{name}_scale"), self.widened.get(name))
 
@@ -346,8 +348,7 @@ class DecoderLayer(nn.Module):
         apply_rotary_(self._rotated(heads), cos, sin)
         q, k, v = (part.view(t, -1, self.head_dim) for part in qkv.split(self.qkv_sizes, dim=-1))
         attn = self._attend(attention, q, k, v, cache, attn_meta).reshape(t, -1)
-        out = self.product("o", attn)
-        out = self._summed(out if lora is None else lora.add_(index, O_PROJ, attn, out), self.o_bias)
+        out = self._o_projection(attn, lora, index)
         hidden += self._scaled(out if self.attn_out_norm is None else self.attn_out_norm(out))
         x = self.post_attention_norm(hidden)
         if self.moe is not None:
@@ -379,6 +380,16 @@ class DecoderLayer(nn.Module):
         if self.reduce is not None:
             self.reduce(partial)
         return partial if bias is None else partial.add_(bias)
+
+    def _o_projection(self, attn: torch.Tensor, lora: LoRABatch | None, index: int) -> torch.Tensor:
+        """o's product of ``attn`` with its adapters' share, summed over the tensor-parallel ranks, and its bias
+        (gpt-oss's): in the product on one device (rounded once, as ``nn.Linear`` rounds it), once after the sum when
+        split (the PyTorch and the GPU paths)."""
+        split = self.reduce is not None
+        out = self.product("o", attn, None if split else self.o_bias)
+        if lora is not None:
+            lora.add_(index, O_PROJ, attn, out)
+        return self._summed(out, self.o_bias if split else None)
 
     def _attend(
         self,
@@ -427,10 +438,7 @@ class DecoderLayer(nn.Module):
         ops.rotary_(self._rotated(heads), positions, rope.cos, rope.sin)
         q, k, v = (part.view(t, -1, self.head_dim) for part in qkv.split(self.qkv_sizes, dim=-1))
         attn = self._attend(attention, q, k, v, cache, attn_meta).reshape(t, -1)
-        out = self.product("o", attn)
-        if lora is not None:
-            lora.add_(index, O_PROJ, attn, out)
-        out = self._summed(out, self.o_bias)
+        out = self._o_projection(attn, lora, index)
         if self.attn_out_norm is not None:
             out = self.attn_out_norm.fused(out)
         # hidden += o_proj(attn), and its norm, in one kernel.

@@ -130,6 +130,19 @@ def check_device(device: torch.device) -> None:
         raise ConfigError(f"device {device}: this machine has {count} GPU{'s' if count != 1 else ''} (cuda:0..)")
 
 
+def check_fits(model: torch.nn.Module, free_bytes: int, device: str) -> None:
+    """Refuse in words, before anything is allocated, a model (built on the meta device, in its dtype) whose weights
+    alone take more than the ``free_bytes`` of ``device`` (a CUDA out-of-memory error half-way through said less:
+    gpt-oss-120b's experts, held dequantized, take ~218 GiB in bfloat16)."""
+    need = sum(p.numel() * p.element_size() for p in model.parameters())
+    if need > free_bytes:
+        dtype = next(model.parameters()).dtype
+        raise ConfigError(
+            f"the model's weights take {need / 2**30:.1f} GiB in {dtype_name(dtype)}, more than the "
+            f"{free_bytes / 2**30:.1f} GiB free on {device}"
+        )
+
+
 def model_dtype(dtype: str, path: Path, device: torch.device) -> torch.dtype:
     """``--dtype`` as a torch dtype. ``auto`` (vLLM's): float32 on the CPU; on a GPU the checkpoint's own 16-bit type
     (``config.json``'s ``torch_dtype``), float16 for a 32-bit one, bfloat16 for a GGUF file (its quantized weights have
@@ -148,7 +161,7 @@ def model_dtype(dtype: str, path: Path, device: torch.device) -> torch.dtype:
     if path.is_file():
         chosen = torch.bfloat16 if bf16 else torch.float16
     else:
-        config = hf_config(path)
+        config = with_defaults(hf_config(path))  # (gpt-oss's names no dtype: its tensors' bfloat16, as vLLM takes it)
         stored = config.get("dtype") or config.get("torch_dtype")  # (transformers 5 names it dtype)
         chosen = torch.bfloat16 if stored == "bfloat16" and bf16 else torch.float16
     # (The model's type read only where it changes the answer: a GGUF file's header is read again for it.)
@@ -381,7 +394,10 @@ def load_model(
         tensors = shard_weights(tensors, full_arch, tensor_parallel)
     with torch.device("meta"):
         model = LlamaModel(arch, vocab_rows(full_arch, tensor_parallel.size))
-    model = model.to(torch_dtype).to_empty(device=dev)  # allocated once, in the target dtype
+    model = model.to(torch_dtype)
+    if dev.type == "cuda":
+        check_fits(model, torch.cuda.mem_get_info(dev)[0], str(dev))
+    model = model.to_empty(device=dev)  # allocated once, in the target dtype
     model.whole_arch, model.tensor_parallel = full_arch, tensor_parallel
     model.load_weights(tensors)
     if quantization == "fp8":

@@ -60,6 +60,10 @@ class QuantizedCheckpoint:
         if method in ("gptq", "awq"):
             return PackedIntCheckpoint.of(method, quant)
         if method == "mxfp4":
+            if config.get("model_type") != "gpt_oss":  # (its layout is gpt-oss's stacked experts')
+                raise ConfigError(
+                    f"MXFP4 checkpoints load for gpt-oss only; this one is a {config.get('model_type')!r} model"
+                )
             return Mxfp4Checkpoint()
         if method == "fp8":
             block = quant.get("weight_block_size")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,15 @@ import torch
 
 from boundless.config import ConfigError, ModelConfig
 from boundless.llm import LLM, engine_config
-from boundless.model.llama import RMSNorm
-from boundless.model.loader import ModelNotFoundError, load_model, model_dtype, resolve_model_path
+from boundless.model.llama import LlamaModel, RMSNorm
+from boundless.model.loader import (
+    LoadedModel,
+    ModelNotFoundError,
+    check_fits,
+    load_model,
+    model_dtype,
+    resolve_model_path,
+)
 from boundless.model.random_model import TinySpec, write_random_model
 
 REPO = "tiny-org/Tiny-Llama-Instruct"
@@ -79,6 +87,29 @@ def test_vllms_dtype_names(tmp_path: Path) -> None:
     assert loaded.fingerprint == load_model(str(path), dtype="float32").fingerprint
     assert loaded.fingerprint != load_model(str(path), dtype="bfloat16").fingerprint
     assert engine_config(str(path), dtype="half").model.dtype == "float16"
+
+
+def test_gpt_oss_names_no_dtype_and_is_bfloat16(tmp_path: Path, model_dirs: dict[str, Path]) -> None:
+    """gpt-oss's Hub configs name no dtype: ``auto`` on a GPU takes its tensors' bfloat16 (vLLM's choice), not the
+    float16 a config without one gives another model; a dtype the config names still wins."""
+    path = Path(shutil.copytree(model_dirs["tiny-gpt-oss"], tmp_path / "g"))
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "torch_dtype"}))
+    gpu = torch.device("cuda")
+    assert model_dtype("auto", path, gpu) == torch.bfloat16
+    (path / "config.json").write_text(json.dumps({**config, "torch_dtype": "float16"}))
+    assert model_dtype("auto", path, gpu) == torch.float16
+
+
+def test_weights_larger_than_the_device_are_refused_in_words(load: Callable[[str], LoadedModel]) -> None:
+    """Before anything is allocated: the weights' size in their dtype against the device's free memory."""
+    arch = load("tiny-gpt-oss").arch
+    with torch.device("meta"):
+        model = LlamaModel(arch).to(torch.bfloat16)
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    check_fits(model, size, "cuda:0")
+    with pytest.raises(ConfigError, match=r"weights take 0\.0 GiB in bfloat16, more than the 0\.0 GiB free on cuda:0"):
+        check_fits(model, size - 1, "cuda:0")
 
 
 def test_gemma3_is_never_float16(tmp_path: Path, model_dirs: dict[str, Path]) -> None:

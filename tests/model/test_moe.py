@@ -109,3 +109,27 @@ def test_per_expert_and_stacked_checkpoints_load_the_same(kind: str, block: str,
     with pytest.raises(ValueError, match=f"experts.2.{names[2]}"):
         LlamaModel(arch).load_weights(incomplete.items())
     assert dataclasses.replace(arch, num_experts=0, sparse_layers=()).fingerprint() != arch.fingerprint()
+
+
+def test_gpt_oss_o_bias_is_rounded_once_with_its_product_in_bfloat16() -> None:
+    """o's bias (gpt-oss's) joins its product before the one rounding to the model's dtype, as ``nn.Linear`` adds it
+    (added after, the sum was rounded twice: 1-ulp differences in a third of the outputs); split over ranks it is
+    added once, after the sum."""
+    from boundless.model.llama import DecoderLayer
+
+    arch = dataclasses.replace(
+        _arch(), model_type="gpt_oss", qk_norm=False, qkv_bias=True, o_bias=True, attention_sinks=True,
+        swiglu_limit=7.0, swiglu_alpha=1.702,
+    )  # fmt: skip
+    layer = DecoderLayer(arch, 0)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.copy_(torch.randn(param.shape, generator=g))
+    layer = layer.to(torch.bfloat16)
+    attn = torch.randn(16, arch.num_heads * arch.head_dim, generator=g).to(torch.bfloat16)
+    assert layer.o_bias is not None
+    want = F.linear(attn, layer.o_weight, layer.o_bias)
+    assert torch.equal(layer._o_projection(attn, None, 0), want)
+    layer.reduce = lambda partial: partial.mul_(2)  # (two ranks holding the same partial)
+    assert torch.allclose(layer._o_projection(attn / 2, None, 0), want, rtol=2e-2, atol=2e-2)

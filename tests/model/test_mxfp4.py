@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from boundless.config import ConfigError
 from boundless.model.mxfp4 import Mxfp4Checkpoint, dequantize_mxfp4
+from boundless.model.quantized_checkpoint import QuantizedCheckpoint
 
 
 def _blocks_and_scales(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,3 +42,7 @@ def test_unpaired_or_misshapen_blocks_are_refused() -> None:
         dequantize_mxfp4(blocks, scales[..., :3])
     with pytest.raises(ValueError, match="uint8"):
         dequantize_mxfp4(blocks.float(), scales)
+    mxfp4 = {"quant_method": "mxfp4"}
+    assert isinstance(QuantizedCheckpoint.of({"model_type": "gpt_oss", "quantization_config": mxfp4}), Mxfp4Checkpoint)
+    with pytest.raises(ConfigError, match="MXFP4 checkpoints load for gpt-oss only"):  # (its experts' layout)
+        QuantizedCheckpoint.of({"model_type": "llama", "quantization_config": mxfp4})
