@@ -16,8 +16,9 @@ from __future__ import annotations
 import math
 import os
 import struct
-from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
@@ -788,21 +789,49 @@ class GGUFModel:
     metadata: dict[str, Any] = field(default_factory=dict, repr=False)
 
 
+@dataclass
+class GGUFWeights:
+    """A GGUF checkpoint whose weights are dequantized as they are read: ``weights`` yields each Hugging Face-named
+    tensor once, in the file's order, so that a model loads a file larger than memory holds twice (its own weights and
+    the file's dequantized). The rest as :class:`GGUFModel`'s, its header checked (every tensor named, none missing)
+    before the first weight is read."""
+
+    arch: ModelArch
+    weights: Iterator[tuple[str, torch.Tensor]] = field(repr=False)
+    tokenizer: Tokenizer = field(repr=False)
+    metadata: dict[str, Any] = field(default_factory=dict, repr=False)
+
+
 _T = TypeVar("_T")
 
 
-def _parallel_map(fn: Callable[[GGUFTensorInfo], _T], items: Iterable[GGUFTensorInfo]) -> list[_T]:
-    # numpy releases the GIL inside its kernels, so threads overlap the dequantization of different tensors.
+def _parallel_map(fn: Callable[[GGUFTensorInfo], _T], items: Iterable[GGUFTensorInfo]) -> Iterator[_T]:
+    """``fn`` of each item, in order, a few at once: numpy releases the GIL inside its kernels, so threads overlap the
+    dequantization of different tensors; at most two a worker are done or under way ahead of the one taken (so
+    memory holds a few dequantized tensors, not the file's)."""
     items = list(items)
     workers = min(len(items), os.cpu_count() or 1, 8)
     if workers <= 1:
-        return [fn(item) for item in items]
+        yield from (fn(item) for item in items)
+        return
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(fn, items))
+        pending: deque[Future[_T]] = deque()
+        for item in items:
+            pending.append(pool.submit(fn, item))
+            if len(pending) > 2 * workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
 
 
 def load_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32) -> GGUFModel:
-    """Read a GGUF file: architecture, dequantized weights under Hugging Face names, and tokenizer.
+    """Read a GGUF file whole (:func:`read_gguf`'s weights, all of them held)."""
+    read = read_gguf(path, dtype=dtype)
+    return GGUFModel(arch=read.arch, tensors=dict(read.weights), tokenizer=read.tokenizer, metadata=read.metadata)
+
+
+def read_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32) -> GGUFWeights:
+    """Read a GGUF file: architecture, dequantized weights under Hugging Face names (as they are taken), tokenizer.
 
     Supports the ``llama`` (Llama 1-3, Mistral, SmolLM...), ``qwen2``, ``qwen3``, ``qwen3moe``, ``phi3`` (Phi-3 and
     Phi-4, Phi-4-mini's RoPE on part of each head and the 128k-context models' LongRoPE), ``gemma2``, ``gemma3``,
@@ -850,18 +879,19 @@ def load_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float3
         tensor = torch.from_numpy(array)
         return tensor if dtype == torch.float32 else tensor.to(dtype)
 
-    tensors: dict[str, torch.Tensor] = {}
-    parts: dict[str, dict[str, torch.Tensor]] = {}  # a gpt-oss file's stacked experts' tensors, by their parts so far
-    for info, tensor in zip(wanted, _parallel_map(prepare, wanted), strict=True):
-        name = hf_tensor_name(info.name, model_type)
-        assert name is not None  # (wanted holds parameters only)
-        part = _gpt_oss_part(info.name) if model_type == "gpt_oss" else None
-        if part is not None:  # (put together as soon as its last part is in: _check_gpt_oss_experts saw them all)
-            parts.setdefault(name, {})[part] = tensor
-            if _gpt_oss_parts_complete(parts[name]):
-                tensors[name] = _gpt_oss_experts(name, parts.pop(name))
-        elif "{}" in name:  # a stacked experts' tensor: each expert's matrix under its own name (views, no copy)
-            tensors.update((name.format(e), tensor[e]) for e in range(tensor.shape[0]))
-        else:
-            tensors[name] = tensor
-    return GGUFModel(arch=arch, tensors=tensors, tokenizer=tokenizer, metadata=meta)
+    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        parts: dict[str, dict[str, torch.Tensor]] = {}  # a gpt-oss file's stacked experts' tensors, by their parts
+        for info, tensor in zip(wanted, _parallel_map(prepare, wanted), strict=True):
+            name = hf_tensor_name(info.name, model_type)
+            assert name is not None  # (wanted holds parameters only)
+            part = _gpt_oss_part(info.name) if model_type == "gpt_oss" else None
+            if part is not None:  # (put together as soon as its last part is in: _check_gpt_oss_experts saw them all)
+                parts.setdefault(name, {})[part] = tensor
+                if _gpt_oss_parts_complete(parts[name]):
+                    yield name, _gpt_oss_experts(name, parts.pop(name))
+            elif "{}" in name:  # a stacked experts' tensor: each expert's matrix under its own name (views, no copy)
+                yield from ((name.format(e), tensor[e]) for e in range(tensor.shape[0]))
+            else:
+                yield name, tensor
+
+    return GGUFWeights(arch=arch, weights=weights(), tokenizer=tokenizer, metadata=meta)

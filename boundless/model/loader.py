@@ -130,6 +130,18 @@ def check_device(device: torch.device) -> None:
         raise ConfigError(f"device {device}: this machine has {count} GPU{'s' if count != 1 else ''} (cuda:0..)")
 
 
+# What a GGUF file cut short, or none of GGUF's, raises as it is read.
+_UNREADABLE_GGUF = (ValueError, struct.error, IndexError, UnicodeDecodeError)
+
+
+def _gguf_weights(weights: Iterator[tuple[str, torch.Tensor]], path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """A GGUF file's weights as they are read, a tensor the file cannot give (its data cut short) refused in words."""
+    try:
+        yield from weights
+    except _UNREADABLE_GGUF as e:
+        raise ConfigError(f"--model {path}: not a GGUF file this reads ({type(e).__name__}: {e})") from None
+
+
 def check_fits(model: torch.nn.Module, free_bytes: int, device: str) -> None:
     """Refuse in words, before anything is allocated, a model (built on the meta device, in its dtype) whose weights
     alone take more than the ``free_bytes`` of ``device`` (a CUDA out-of-memory error half-way through said less:
@@ -354,14 +366,15 @@ def load_model(
     spec, score = None, ScoreWeight()  # a classifier's, and its checkpoint's head (model/classifier.py)
     config_json: dict[str, Any] | None = None  # a directory's config.json, with the overrides (read once here)
     if path.is_file():
-        from boundless.model.gguf import load_gguf
+        from boundless.model.gguf import read_gguf
 
         try:
-            gguf = load_gguf(path)
-        except (ValueError, struct.error, IndexError, UnicodeDecodeError) as e:  # (a file cut short, or none of GGUF's)
+            # (Each weight dequantized and cast as the model takes it: the file's weights are never all in memory.)
+            gguf = read_gguf(path, dtype=torch_dtype)
+        except _UNREADABLE_GGUF as e:
             raise ConfigError(f"--model {path}: not a GGUF file this reads ({type(e).__name__}: {e})") from None
         arch, tokenizer = gguf.arch, gguf.tokenizer
-        tensors: Iterator[tuple[str, torch.Tensor]] = iter(gguf.tensors.items())
+        tensors: Iterator[tuple[str, torch.Tensor]] = _gguf_weights(gguf.weights, path)
     else:
         from boundless.model.tokenizer import Tokenizer
 

@@ -34,6 +34,7 @@ from boundless.model.gguf import (
     llama3_rope_scaling_from_factors,
     load_gguf,
     model_arch_from_gguf,
+    read_gguf,
     read_gguf_header,
     read_gguf_metadata,
 )
@@ -53,6 +54,24 @@ def smollm2() -> GGUFModel:
     model = load_gguf(GGUF_PATH)
     print(f"load_gguf({GGUF_NAME}): {time.perf_counter() - start:.2f} s")
     return model
+
+
+def test_a_files_weights_are_dequantized_as_they_are_taken(smollm2: GGUFModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loader's reader: each weight dequantized (and cast) as the model takes it, a few workers' worth ahead, not
+    the whole file first (gpt-oss-20b's file is ~84 GB in fp32); the same tensors as read whole, cast to the dtype."""
+    import boundless.model.gguf as gguf_module
+
+    done: list[str] = []
+    dequantize_tensor = gguf_module._dequantize_tensor
+    monkeypatch.setattr(
+        gguf_module, "_dequantize_tensor", lambda buf, info: done.append(info.name) or dequantize_tensor(buf, info)
+    )
+    read = read_gguf(GGUF_PATH, dtype=torch.bfloat16)
+    name, first = next(read.weights)
+    assert len(done) <= 2 * 8 + 1 < len(smollm2.tensors)
+    assert first.dtype == torch.bfloat16 and torch.equal(first, smollm2.tensors[name].to(torch.bfloat16))
+    rest = dict(read.weights)
+    assert rest.keys() | {name} == smollm2.tensors.keys()
 
 
 @pytest.fixture(scope="module")
