@@ -220,12 +220,16 @@ def conversation(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Chat messages for a response's input: messages as they are, a run of function calls as the ``tool_calls`` of
     the assistant message just before them (one of their own if there is none), each call's output as a ``tool``
     message. An assistant's text and the calls after it are one turn, as a stored response keeps them and as OpenAI's
-    and vLLM's conversions read such items (a stateless client, ``store: false``, sends them back so)."""
+    and vLLM's conversions read such items (a stateless client, ``store: false``, sends them back so). A ``reasoning``
+    item's text (its ``reasoning_text`` content, as this server writes it, else its summary) is the reasoning of the
+    assistant turn after it (``reasoning_content``, which a chat template that keeps the reasoning before a call
+    renders: gpt-oss's); one with nothing but encrypted content adds nothing."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     if not items:
         raise APIError(400, "input must not be empty", "input", "invalid_value")
     messages: list[dict[str, Any]] = []
+    thought: str | None = None  # a reasoning item's text, for the assistant turn after it
     for i, item in enumerate(items):
         where = f"input.{i}"
         kind = item.get("type", "message")
@@ -235,6 +239,8 @@ def conversation(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 raise APIError(400, f"unknown role {role!r}", f"{where}.role")
             text = _item_text(item.get("content"), f"{where}.content")
             messages.append({"role": "system" if role == "developer" else role, "content": text})
+            if role == "assistant" and thought:
+                messages[-1]["reasoning_content"] = thought
         elif kind == "function_call":
             call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
             if not all(isinstance(v, str) for v in (call_id, name, arguments)):
@@ -245,6 +251,8 @@ def conversation(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                if thought:
+                    messages[-1]["reasoning_content"] = thought
         elif kind == "function_call_output":
             call_id, output = item.get("call_id"), item.get("output")
             if not isinstance(call_id, str) or not isinstance(output, str | list):
@@ -252,10 +260,26 @@ def conversation(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             text = _item_text(output, f"{where}.output")  # (a string, or text parts)
             messages.append({"role": "tool", "tool_call_id": call_id, "content": text})
         elif kind == "reasoning":
-            continue  # (a reasoning model's summary from another server: nothing this model reads)
+            thought = _reasoning_text(item)
+            continue
         else:
             raise APIError(400, f"input items of type {kind!r} are not supported", f"{where}.type")
+        thought = None  # (a turn after another item has none of its own)
     return messages
+
+
+def _reasoning_text(item: dict[str, Any]) -> str | None:
+    """A reasoning item's text: its ``reasoning_text`` parts, else its ``summary_text`` ones, joined; None without any
+    (an encrypted one's)."""
+    for key, kind in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = item.get(key)
+        if not isinstance(parts, list):
+            continue
+        texts = [p.get("text") for p in parts if isinstance(p, dict) and p.get("type") == kind]
+        texts = [t for t in texts if isinstance(t, str)]
+        if texts:
+            return TEXT_PART_SEPARATOR.join(texts)
+    return None
 
 
 def input_items(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:

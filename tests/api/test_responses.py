@@ -456,3 +456,28 @@ def test_a_stored_stream_refused_before_it_began_is_not_left_in_progress(
     (rid,) = started
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(rid)
+
+
+def test_a_reasoning_items_text_is_the_next_assistant_turns_reasoning() -> None:
+    """A stateless client sends back the reasoning before its calls (Codex's way): its text (reasoning_text parts as
+    this server writes them, else the summary) becomes that turn's ``reasoning_content``, which a template keeping
+    the reasoning before a call renders (gpt-oss's); an encrypted one, or one before a user's turn, adds nothing."""
+    from boundless.api.responses import conversation
+
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    thought = {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "Look it up."}]}
+    messages = conversation(
+        [
+            {"role": "user", "content": "Hi"},
+            thought,
+            call,
+            {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+        ]
+    )
+    assert messages[1]["reasoning_content"] == "Look it up." and messages[1]["tool_calls"][0]["id"] == "c1"
+    summary = {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Short."}]}
+    said = {"role": "assistant", "content": "Done."}
+    assert conversation([{"role": "user", "content": "Hi"}, summary, said])[1]["reasoning_content"] == "Short."
+    sealed = {"type": "reasoning", "summary": [], "encrypted_content": "gAAAA"}
+    assert "reasoning_content" not in conversation([{"role": "user", "content": "Hi"}, sealed, said])[1]
+    assert "reasoning_content" not in conversation([thought, {"role": "user", "content": "Hi"}, said])[1]
