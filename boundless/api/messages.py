@@ -138,6 +138,7 @@ def chat_messages(body: MessagesRequest) -> list[dict[str, Any]]:
         blocks = [{"type": "text", "text": message.content}] if isinstance(message.content, str) else message.content
         texts: list[dict[str, str]] = []
         calls: list[dict[str, Any]] = []
+        thoughts: list[str] = []
         for j, block in enumerate(blocks):
             where = f"messages.{i}.content.{j}"
             kind = block.get("type") if isinstance(block, dict) else None
@@ -161,8 +162,13 @@ def chat_messages(body: MessagesRequest) -> list[dict[str, Any]]:
                 arguments = json.dumps(block["input"], ensure_ascii=False)
                 function = {"name": block["name"], "arguments": arguments}
                 calls.append({"id": block["id"], "type": "function", "function": function})
-            elif kind in ("thinking", "redacted_thinking") and message.role == "assistant":
-                continue  # (an earlier turn's thinking: templates drop it from the history)
+            elif kind == "thinking" and message.role == "assistant":
+                # (An earlier turn's thinking, as the chat route's reasoning_content: the template decides; most drop
+                # it from the history, gpt-oss's keeps the thinking before a call.)
+                if isinstance(block.get("thinking"), str) and block["thinking"]:
+                    thoughts.append(block["thinking"])
+            elif kind == "redacted_thinking" and message.role == "assistant":
+                continue  # (encrypted by another server: nothing this model reads)
             else:
                 raise APIError(400, f"{where}: a {message.role} turn cannot hold a block of type {kind!r}", where)
         if message.role == "user":
@@ -172,6 +178,8 @@ def chat_messages(body: MessagesRequest) -> list[dict[str, Any]]:
             turn: dict[str, Any] = {"role": "assistant", "content": texts or None}  # (joined as a user's are)
             if calls:
                 turn["tool_calls"] = calls
+            if thoughts:
+                turn["reasoning_content"] = "\n".join(thoughts)
             out.append(turn)
     return out
 

@@ -435,3 +435,30 @@ def test_a_request_past_the_context_is_refused_in_anthropics_words(client: anthr
         f"input length and `max_tokens` exceed context limit: {tokens} + 1024 > 1024, decrease input length or "
         "`max_tokens` and try again"
     )
+
+
+def test_an_earlier_turns_thinking_reaches_the_template_as_its_reasoning() -> None:
+    """Claude Code sends each earlier turn back whole, its thinking blocks too: their text is the turn's
+    ``reasoning_content`` (as the chat route takes it; a template keeping the thinking before a call renders it,
+    gpt-oss's), a redacted one adds nothing."""
+    from boundless.api.messages import MessagesRequest, chat_messages
+
+    turn = [
+        {"type": "thinking", "thinking": "Look it up.", "signature": ""},
+        {"type": "redacted_thinking", "data": "gAAAA"},
+        {"type": "tool_use", "id": "t1", "name": "f", "input": {}},
+    ]
+    body = MessagesRequest.model_validate(
+        {
+            "model": "tiny",
+            "max_tokens": 8,
+            "messages": [
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": turn},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}]},
+            ],
+        }
+    )
+    messages = chat_messages(body)
+    assert messages[1]["reasoning_content"] == "Look it up." and messages[1]["tool_calls"][0]["id"] == "t1"
+    assert "reasoning_content" not in chat_messages(body.model_copy(update={"messages": body.messages[:1]}))[0]
