@@ -6,7 +6,7 @@ import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import openai
 
@@ -53,20 +53,31 @@ UNITS = {
 }
 
 
+def streamed_parts(client: openai.OpenAI, ask: dict[str, Any]) -> dict[str, Any]:
+    """A chat completion streamed and put together as a client does: its ``content``, ``reasoning``, ``calls`` (id,
+    name, arguments) in order of index, ``finish`` reason, ``usage`` and the content's ``logprobs`` tokens."""
+    out: dict[str, Any] = {"reasoning": "", "content": "", "calls": {}, "finish": None, "logprobs": [], "usage": None}
+    for chunk in client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}):
+        out["usage"] = chunk.usage or out["usage"]
+        for choice in chunk.choices:
+            delta = choice.delta.model_dump()
+            out["reasoning"] += delta.get("reasoning") or ""
+            out["content"] += delta.get("content") or ""
+            for call in delta.get("tool_calls") or ():
+                entry = out["calls"].setdefault(call["index"], ["", "", ""])
+                entry[0] += call.get("id") or ""
+                entry[1] += call["function"].get("name") or ""
+                entry[2] += call["function"].get("arguments") or ""
+            out["finish"] = choice.finish_reason or out["finish"]
+            out["logprobs"] += [t.token for t in choice.logprobs.content or ()] if choice.logprobs else []
+    out["calls"] = [tuple(out["calls"][i]) for i in sorted(out["calls"])]
+    return out
+
+
 def streamed_chat(client: openai.OpenAI, ask: dict) -> tuple[str, str | None, list[tuple[str, str]]]:
-    """A chat completion streamed and put together as a client does: its content, finish reason and tool calls
-    (name, arguments) in order of index."""
-    calls: dict[int, list[str]] = {}
-    content, finish = "", None
-    for chunk in client.chat.completions.create(**ask, stream=True):
-        delta = chunk.choices[0].delta
-        content += delta.content or ""
-        finish = chunk.choices[0].finish_reason or finish
-        for call in delta.tool_calls or ():
-            entry = calls.setdefault(call.index, ["", ""])
-            entry[0] += call.function.name or ""
-            entry[1] += call.function.arguments or ""
-    return content, finish, [(calls[i][0], calls[i][1]) for i in sorted(calls)]
+    """:func:`streamed_parts`' content, finish reason and tool calls (name, arguments)."""
+    parts = streamed_parts(client, ask)
+    return parts["content"], parts["finish"], [(name, arguments) for _, name, arguments in parts["calls"]]
 
 
 class Served(NamedTuple):

@@ -18,6 +18,7 @@ import anthropic
 import httpx
 import openai
 import pytest
+from served_models import streamed_parts
 
 from boundless.api import harmony
 from boundless.api.reasoning import (
@@ -364,23 +365,8 @@ class Served:
         }
 
     def streamed(self, ask: dict[str, Any]) -> dict[str, Any]:
-        """A streamed chat put together: reasoning, content, calls (id, name, arguments), finish reason, usage."""
-        out: dict[str, Any] = {"reasoning": "", "content": "", "calls": {}, "finish": None, "logprobs": []}
-        for chunk in self.client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}):
-            out["usage"] = chunk.usage or out.get("usage")
-            for choice in chunk.choices:
-                delta = choice.delta.model_dump()
-                out["reasoning"] += delta.get("reasoning") or ""
-                out["content"] += delta.get("content") or ""
-                for call in delta.get("tool_calls") or ():
-                    entry = out["calls"].setdefault(call["index"], ["", "", ""])
-                    entry[0] += call.get("id") or ""
-                    entry[1] += call["function"].get("name") or ""
-                    entry[2] += call["function"].get("arguments") or ""
-                out["finish"] = choice.finish_reason or out["finish"]
-                out["logprobs"] += [t.token for t in choice.logprobs.content or ()] if choice.logprobs else []
-        out["calls"] = [tuple(out["calls"][i]) for i in sorted(out["calls"])]
-        return out
+        """A streamed chat put together (:func:`served_models.streamed_parts`)."""
+        return streamed_parts(self.client, ask)
 
 
 ASK = [{"role": "user", "content": "Weather in Tokyo?"}]

@@ -16,7 +16,7 @@ from typing import Any
 
 import openai
 import pytest
-from served_models import UNITS, WEATHER, Served, serve_hermes, streamed_chat
+from served_models import UNITS, WEATHER, Served, serve_hermes, streamed_chat, streamed_parts
 
 from boundless.api.reasoning import REASONING_PARSERS, ReasoningParser, Split
 from boundless.api.tool_calls import (
@@ -462,20 +462,7 @@ def _ask(served: Served, regex: str | None, **kwargs: Any) -> dict[str, Any]:
 
 
 def _streamed(served: Served, ask: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {"content": "", "reasoning": "", "calls": {}, "finish": None}
-    for chunk in served.client.chat.completions.create(**ask, stream=True):
-        for choice in chunk.choices:
-            delta = choice.delta.model_dump()
-            out["content"] += delta.get("content") or ""
-            out["reasoning"] += delta.get("reasoning") or ""
-            for call in delta.get("tool_calls") or ():
-                entry = out["calls"].setdefault(call["index"], ["", "", ""])
-                entry[0] += call.get("id") or ""
-                entry[1] += call["function"].get("name") or ""
-                entry[2] += call["function"].get("arguments") or ""
-            out["finish"] = choice.finish_reason or out["finish"]
-    out["calls"] = [tuple(out["calls"][i]) for i in sorted(out["calls"])]
-    return out
+    return streamed_parts(served.client, ask)
 
 
 V11_REGEX = (

@@ -28,6 +28,21 @@ def add_bpe_vocabulary(writer: gguf.GGUFWriter, vocab: dict[str, Any]) -> None:
     writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in vocab["model"]["merges"]])
 
 
+def add_shape(writer: gguf.GGUFWriter, config: dict[str, Any], head_dim: bool = False) -> None:
+    """The shape every llama.cpp converter writes, from a directory's ``config.json``: context, widths, layers, heads,
+    the norms' epsilon; with ``head_dim`` the key and value heads' size too (Gemma's and gpt-oss's converters)."""
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    if head_dim:
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+
+
 def write_directory_gguf(
     source: Path,
     path: Path,
@@ -44,13 +59,7 @@ def write_directory_gguf(
     config = json.loads((source / "config.json").read_text())
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     writer = gguf.GGUFWriter(path, arch=gguf.MODEL_ARCH_NAMES[arch])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    add_shape(writer, config)
     writer.add_rope_freq_base(config["rope_theta"])
     add_bpe_vocabulary(writer, json.loads((source / "tokenizer.json").read_text()))
     writer.add_bos_token_id(config["bos_token_id"])
@@ -110,17 +119,9 @@ def write_gpt_oss_gguf(
     from boundless.model.mxfp4 import dequantize_mxfp4
 
     config = json.loads((source / "config.json").read_text())
-    rope, layers, head_dim = config["rope_scaling"], config["num_hidden_layers"], config["head_dim"]
+    rope, layers = config["rope_scaling"], config["num_hidden_layers"]
     writer = gguf.GGUFWriter(path, arch=gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.GPT_OSS])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_block_count(layers)
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    add_shape(writer, config, head_dim=True)
     writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_expert_count(config["num_local_experts"])
     writer.add_expert_used_count(config["num_experts_per_tok"])

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from model_files import add_bpe_vocabulary, step_logits
+from model_files import add_bpe_vocabulary, add_shape, step_logits
 
 from boundless.attention import triton_paged
 from boundless.bench.offline import load_hf_reference
@@ -793,15 +793,7 @@ def _gemma3_gguf(source: Path, path: Path, sentencepiece: bool = False) -> None:
     config = json.loads((source / "config.json").read_text())
     vocab = json.loads((source / "tokenizer.json").read_text())
     writer = gguf.GGUFWriter(path, arch="gemma3")
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_key_length(config["head_dim"])
-    writer.add_value_length(config["head_dim"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    add_shape(writer, config, head_dim=True)
     writer.add_rope_freq_base(config["rope_theta"])
     writer.add_sliding_window(config["sliding_window"])
     if sentencepiece:
