@@ -20,8 +20,9 @@ which decoded text leaves out by default, so under that parser outputs keep thei
 gpt-oss (vLLM's ``openai_gptoss``) writes OpenAI's harmony messages instead (``api/harmony.py``): its reasoning is its
 ``analysis`` messages, wherever they fall, and its answer its ``final`` messages and preambles, with its function
 calls kept in it for ``tool_calls`` to read when the request's output is read for them
-(:class:`HarmonyReasoningParser`). ``--tool-call-parser openai``, which reads those calls, reads the output so even
-without this flag, as vLLM reads every gpt-oss output (:func:`reasoning_parser_name`).
+(:class:`HarmonyReasoningParser`). A model whose vocabulary is harmony's, or ``--tool-call-parser openai``, which
+reads those calls, reads the output so even without this flag, as vLLM reads every gpt-oss output
+(:func:`reasoning_parser_name`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from boundless.api import harmony
 from boundless.api.logprobs import Stretch
@@ -39,13 +41,21 @@ HARMONY_PARSER = "openai_gptoss"
 HARMONY_CALLS = "openai"  # (the --tool-call-parser that reads harmony's calls)
 
 
-def reasoning_parser_name(reasoning_parser: str | None, tool_call_parser: str | None) -> str | None:
+# Harmony's tags, each a special token of gpt-oss's vocabulary (o200k_harmony): a vocabulary holding them all is one.
+HARMONY_TAGS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>")
+
+
+def reasoning_parser_name(
+    reasoning_parser: str | None, tool_call_parser: str | None, tokenizer: Any = None
+) -> str | None:
     """The reasoning parser a server reads outputs with: ``--reasoning-parser``'s, else gpt-oss's when
-    ``--tool-call-parser openai`` reads its harmony calls (they are among its messages, beside its reasoning, and vLLM
-    reads every gpt-oss output's messages so, with or without the flag)."""
-    if reasoning_parser is None and tool_call_parser == HARMONY_CALLS:
-        return HARMONY_PARSER
-    return reasoning_parser
+    ``--tool-call-parser openai`` reads its harmony calls (they are among its messages, beside its reasoning) or when
+    ``tokenizer``'s vocabulary is harmony's (:data:`HARMONY_TAGS`): vLLM reads every gpt-oss output's messages so,
+    with or without a flag, and a harmony output read as plain text is its tags and channels verbatim."""
+    if reasoning_parser is not None:
+        return reasoning_parser
+    harmony = tokenizer is not None and all(tokenizer.token_to_id(tag) is not None for tag in HARMONY_TAGS)
+    return HARMONY_PARSER if tool_call_parser == HARMONY_CALLS or harmony else None
 
 
 @dataclass(frozen=True)

@@ -678,8 +678,8 @@ class OpenAIServer:
         self.strict_format = strict_call_format(self.call_formats(forced=False), tools_template)
         # Whether outputs read for calls keep their special tokens (Mistral's [TOOL_CALLS] is one, as vLLM keeps it).
         self.special_calls = keeps_special_tokens(config.tool_call_parser, tools_template)
-        # (--tool-call-parser openai alone reads gpt-oss's messages with its reasoning parser: reasoning_parser_name)
-        reasoning = reasoning_parser_name(config.reasoning_parser, config.tool_call_parser)
+        # (gpt-oss's messages read with its reasoning parser without --reasoning-parser: reasoning_parser_name)
+        reasoning = reasoning_parser_name(config.reasoning_parser, config.tool_call_parser, client.tokenizer)
         self.reasoning = ReasoningParser.named(reasoning) if reasoning else None
         self.metrics = ServerMetrics(client.stats, getattr(client, "cluster_metrics", None))
         client.add_finished_listener(self._observe)

@@ -709,3 +709,23 @@ def test_the_server_holds_a_grammar_and_a_budget_to_harmonys_tags(calls_flag_alo
     assert budget is not None and (budget.end, budget.start) == (ids("<|end|>"), ids("<|channel|>analysis<|message|>"))
     opened = server.thinking_budget(6, prompt + list(ids("<|channel|>analysis<|message|>")))
     assert opened is not None and opened.start == ()
+
+
+def test_a_harmony_vocabulary_is_read_so_without_a_flag(calls_flag_alone: Served) -> None:
+    """As vLLM reads every gpt-oss output: a model whose vocabulary holds harmony's tags has its messages read with no
+    flag (a plain text answer would be its tags and channels verbatim); a flag named wins, and a model of another
+    vocabulary reads none."""
+    from boundless.api.reasoning import reasoning_parser_name
+    from boundless.api.server import OpenAIServer
+
+    unflagged = OpenAIServer(calls_flag_alone.engine, "tiny", ServerConfig())
+    assert unflagged.reasoning is not None and unflagged.reasoning.name == "openai_gptoss"
+    tokenizer = calls_flag_alone.loaded.tokenizer
+    assert reasoning_parser_name("qwen3", None, tokenizer) == "qwen3"
+
+    class Plain:
+        def token_to_id(self, token: str) -> int | None:
+            return None if token == "<|channel|>" else 1
+
+    assert reasoning_parser_name(None, None, Plain()) is None
+    assert reasoning_parser_name(None, "openai", Plain()) == "openai_gptoss"
