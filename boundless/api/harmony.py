@@ -292,6 +292,8 @@ class HarmonyCallScanner:
     pos: int = -1
 
     def feed(self, text: str) -> None:
+        if self.done:  # (fed on while no next call is found: its end, and the next call's tag, stay where they are)
+            return
         if self.pos < 0:
             self.pos = self.start
         if not self.calls:

@@ -235,6 +235,21 @@ def test_calls_stream_as_the_unstreamed_response_reads_them(text: str, formats: 
     assert (streamed[2] == [("get_weather", CALL)]) == (text != THINK_ANSWER)
 
 
+def test_calls_ended_by_end_tags_then_an_answer_stream_as_read() -> None:
+    """Two calls each ended by ``<|end|>`` (not ``<|call|>``), then a final message: streamed, each call is its own, as
+    the unstreamed response reads them (the first call's reader, fed on while the second's tag was not yet whole, ran
+    past it and took the second call into its arguments: a third, garbled call; the fuzzer's find)."""
+    text = (
+        "<|channel|>commentary to=functions.f<|message|>{}<|end|><|start|>assistant<|channel|>commentary to=functions.g"
+        '<|message|>{"b":2}<|end|><|start|>assistant<|channel|>final<|message|>x'
+    )
+    tools = ToolUse(True, formats=OPENAI)
+    split = ReasoningOutput(GPT_OSS.with_calls(True), opened=False).split(text)
+    content, calls, _ = tools.read(split.content or "")
+    assert [(c.name, c.arguments) for c in calls] == [("f", "{}"), ("g", '{"b":2}')]
+    assert _served_as_streamed(text, tools) == (None, content or "", [("f", "{}"), ("g", '{"b":2}')])
+
+
 def test_a_call_cut_off_is_a_call_as_far_as_it_got() -> None:
     """An output that reached max_tokens inside a call's body: the call as far as it got, which the route reports
     with finish reason ``length`` (ToolUse.read's cut position); one whose body the end-of-sequence ``<|call|>``
