@@ -352,7 +352,7 @@ class DecoderLayer(nn.Module):
         hidden += self._scaled(out if self.attn_out_norm is None else self.attn_out_norm(out))
         x = self.post_attention_norm(hidden)
         if self.moe is not None:
-            hidden += self.moe(x, self.widened_experts)
+            hidden += self._summed(self.moe(x, self.widened_experts))
             return hidden
         assert self.gate_up_weight is not None and self.down_weight is not None
         gate_up = self.product("gate_up", x)
@@ -444,7 +444,7 @@ class DecoderLayer(nn.Module):
         # hidden += o_proj(attn), and its norm, in one kernel.
         x = norm_post.fused(hidden, self._scaled(out))
         if self.moe is not None:
-            return hidden, self.moe(x)
+            return hidden, self._summed(self.moe(x))
         assert self.gate_up_weight is not None and self.down_weight is not None
         gate_up = self.product("gate_up", x)
         if lora is not None:
@@ -521,7 +521,7 @@ class DecoderLayer(nn.Module):
             hidden += self._scaled(out)
         cpu_kernels.rms_norm(hidden, post.weight, post.eps, x)
         if self.moe is not None:
-            hidden += self.moe(x, packed.experts)
+            hidden += self._summed(self.moe(x, packed.experts))
             return hidden
         assert gate_up is not None and down is not None
         if self.gelu or (lora is not None and lora.touches(index, GATE_UP)):

@@ -247,7 +247,11 @@ def _safetensors_weights(
                 if part is None:
                     yield name, f.get_tensor(key)
                     continue
-                pieces = [tensor[s : s + n] if part.dim == 0 else tensor[:, s : s + n] for s, n in part.ranges]
+                if not part.ranges:  # (a bias another rank adds: zeros here)
+                    yield name, torch.zeros_like(f.get_tensor(key))
+                    continue
+                lead = (slice(None),) * part.dim
+                pieces = [tensor[(*lead, slice(s, s + n))] for s, n in part.ranges]
                 yield name, pieces[0] if len(pieces) == 1 else torch.cat(pieces, part.dim)
 
 

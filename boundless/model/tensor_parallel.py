@@ -8,7 +8,11 @@ Each rank holds a slice of every layer's matrices and attends with its share of 
 - o and down are split by columns to match (row parallel): each rank's product is a partial sum of the whole
   product, and the ranks add theirs (one all-reduce after each half-layer), so every rank's residual stream is the
   whole model's again;
-- the embedding, the norms and the LM head are whole on every rank (rank 0 alone computes logits).
+- the embedding, the norms and the LM head are whole on every rank (rank 0 alone computes logits);
+- a mixture's router is whole on every rank, and each expert split as an MLP is: its gate/up rows and its down
+  columns by the rank's share of its features (vLLM's tensor-parallel MoE), so each rank's experts' weighted sum is a
+  partial sum of the whole one, added with the others' as the MLP's is; a down bias (gpt-oss's), which each token's
+  routing weight scales inside that sum, is rank 0's alone (zeros on the others).
 
 So a rank's network is the model with ``1/size`` of its heads and MLP features (:func:`shard_arch`), loaded from
 the checkpoint's slices (:func:`shard_weights`), and its KV cache holds its heads only: the KV memory of a context
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, cast
 
@@ -46,17 +50,18 @@ ONE_DEVICE = TensorParallel()  # a model on one device
 
 
 def check_shardable(arch: ModelArch, size: int) -> None:
-    """Refuse, naming the flag, a model that ``size`` ranks cannot split evenly (vLLM's rule: the heads and the MLP's
-    features each a multiple of the ranks, the key/value heads too or, fewer than the ranks, a divisor of them), or one
-    with experts (not split here)."""
+    """Refuse, naming the flag, a model that ``size`` ranks cannot split evenly (vLLM's rule: the heads, the MLP's
+    features and each expert's each a multiple of the ranks, the key/value heads too or, fewer than the ranks, a
+    divisor of them)."""
     from boundless.config import ConfigError  # (here: the config reads LoRA modules, whose loading cuts by ranks)
 
     if size == 1:
         return
     flag = f"--tensor-parallel-size {size}"
+    sizes = [("attention heads", arch.num_heads), ("MLP features", arch.intermediate_size)]
     if arch.num_experts:
-        raise ConfigError(f"{flag}: a mixture of experts ({arch.model_type}) is not split across devices here")
-    for what, n in (("attention heads", arch.num_heads), ("MLP features", arch.intermediate_size)):
+        sizes.append(("features of each expert", arch.moe_intermediate_size))
+    for what, n in sizes:
         if n % size:
             raise ConfigError(f"{flag}: the model's {n} {what} do not split evenly over {size} devices")
     kv = arch.num_kv_heads
@@ -92,19 +97,23 @@ def shard_arch(arch: ModelArch, size: int) -> ModelArch:
         num_heads=arch.num_heads // size,
         num_kv_heads=max(1, arch.num_kv_heads // size),
         intermediate_size=arch.intermediate_size // size,
+        moe_intermediate_size=arch.moe_intermediate_size // size,
     )
 
 
 @dataclass(frozen=True)
 class ShardPlan:
     """Which parts of a checkpoint tensor a rank holds: the ranges ``(start, length)`` along ``dim``, put side by side
-    in order (one range, or Phi-3's fused matrices' one per part)."""
+    in order (one range, or Phi-3's fused matrices' one per part); no range: zeros of its shape (a bias only rank 0
+    adds, :func:`shard_plan`)."""
 
     dim: int
     ranges: tuple[tuple[int, int], ...]
 
     def take(self, tensor: torch.Tensor) -> torch.Tensor:
         """The rank's parts of ``tensor``, whole."""
+        if not self.ranges:
+            return torch.zeros_like(tensor)
         parts = [tensor.narrow(self.dim, start, n) for start, n in self.ranges]
         return parts[0] if len(parts) == 1 else torch.cat(parts, self.dim)
 
@@ -124,9 +133,13 @@ def shard_plan(name: str, shape: Sequence[int], arch: ModelArch, tp: TensorParal
         return start + (tp.rank // replicas) * (n // parts), n // parts
 
     replicas = kv_replicas(arch, tp.size)
+    if name.endswith(".self_attn.sinks"):  # (gpt-oss's sink of each query head: the rank's heads')
+        return ShardPlan(0, (mine(0, shape[0]),))
+    if module == "experts":  # (stacked experts: transformers 5's [experts, out, in], gpt-oss's [experts, in, out])
+        return _stacked_experts_plan(name.rsplit(".", 1)[1], shape, arch, tp, mine)
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return None if vocab_rows(arch, tp.size) is None else ShardPlan(0, (mine(0, shape[0]),))
-    if module in ("q_proj", "gate_proj", "up_proj"):
+    if module in ("q_proj", "gate_proj", "up_proj", "w1", "w3"):  # (Mixtral's experts' w1 and w3: gate and up)
         return ShardPlan(0, (mine(0, shape[0]),))
     if module in ("k_proj", "v_proj"):
         return ShardPlan(0, (mine(0, shape[0], replicas),))
@@ -136,9 +149,31 @@ def shard_plan(name: str, shape: Sequence[int], arch: ModelArch, tp: TensorParal
     if module == "gate_up_proj":
         inter = arch.intermediate_size
         return ShardPlan(0, (mine(0, inter), mine(inter, inter)))
-    if module in ("o_proj", "down_proj") and name.endswith(".weight"):
+    if module in ("o_proj", "down_proj", "w2") and name.endswith(".weight"):
         return ShardPlan(1, (mine(0, shape[1]),))
     return None
+
+
+def _stacked_experts_plan(
+    leaf: str,
+    shape: Sequence[int],
+    arch: ModelArch,
+    tp: TensorParallel,
+    mine: Callable[[int, int], tuple[int, int]],
+) -> ShardPlan | None:
+    """A rank's parts of a mixture's stacked experts (``mlp.experts.LEAF``): each expert's share of the features. In
+    transformers 5's layout gate's rows then up's ([experts, 2 * inter, hidden]) and down's columns; in gpt-oss's
+    (transposed, gate and up interleaved by column: [experts, hidden, 2 * inter]) a run of whole gate/up column pairs,
+    its bias's alike, down's rows; its down bias rank 0's alone."""
+    if arch.model_type == "gpt_oss":
+        dims = {"gate_up_proj": 2, "gate_up_proj_bias": 1, "down_proj": 1}
+        if leaf == "down_proj_bias":
+            return None if tp.rank == 0 else ShardPlan(0, ())
+        return ShardPlan(dims[leaf], (mine(0, shape[dims[leaf]]),)) if leaf in dims else None
+    if leaf == "gate_up_proj":
+        inter = shape[1] // 2
+        return ShardPlan(1, (mine(0, inter), mine(inter, inter)))
+    return ShardPlan(2, (mine(0, shape[2]),)) if leaf == "down_proj" else None
 
 
 def shard_weights(

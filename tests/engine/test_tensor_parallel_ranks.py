@@ -87,11 +87,12 @@ def _ranks(core: EngineCore) -> TensorParallelRanks:
     return ranks
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-phi3"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-phi3", "tiny-gpt-oss"])
 def test_two_ranks_answer_as_transformers(
     name: str, model_dirs: dict[str, Path], load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]
 ) -> None:
-    """GQA with llama3 RoPE scaling (one key/value head a rank), q/k/v biases, a fused checkpoint: the prompts at once
+    """GQA with llama3 RoPE scaling (one key/value head a rank), q/k/v biases, a fused checkpoint, gpt-oss (its sinks
+    and its experts split by their features, the router whole on each rank): the prompts at once
     with the prefix cache (shared prefixes), then again in chunks of 7 tokens a step with n-gram drafts checked (a
     step's rows past the known tokens, on every rank)."""
     loaded = load(name)

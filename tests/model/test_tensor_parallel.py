@@ -64,6 +64,27 @@ def test_the_ranks_slices_put_back_together_are_the_checkpoint(kind: str, tmp_pa
         assert any(n.endswith("q_proj.bias") for n in whole)
 
 
+def test_the_ranks_slices_of_stacked_experts_are_each_experts_share(tmp_path: Path) -> None:
+    """gpt-oss's experts (transposed, gate and up interleaved by column): a rank's columns are whole gate/up pairs of
+    its features, each expert's alike, down's rows its features; the down bias rank 0's alone (the routing weight
+    scales it inside the ranks' sum); the sinks by the rank's heads, the router whole."""
+    spec = TinySpec(kind="gpt_oss", num_heads=4, num_kv_heads=2, head_dim=16, sliding_window=8)
+    arch = _arch(spec, tmp_path)
+    whole = dict(random_weights(spec))
+    ranks = [dict(shard_weights(iter(whole.items()), arch, TensorParallel(r, 2))) for r in range(2)]
+    p = "model.layers.0."
+    gate_up = whole[p + "mlp.experts.gate_up_proj"]  # [experts, hidden, 2 * inter]
+    halves = [rank[p + "mlp.experts.gate_up_proj"] for rank in ranks]
+    assert torch.equal(torch.cat(halves, 2), gate_up) and halves[0].shape[2] == gate_up.shape[2] // 2
+    assert torch.equal(
+        torch.cat([r[p + "mlp.experts.down_proj"] for r in ranks], 1), whole[p + "mlp.experts.down_proj"]
+    )
+    bias = p + "mlp.experts.down_proj_bias"
+    assert torch.equal(ranks[0][bias], whole[bias]) and not ranks[1][bias].any()
+    assert torch.equal(torch.cat([r[p + "self_attn.sinks"] for r in ranks]), whole[p + "self_attn.sinks"])
+    assert all(torch.equal(r[p + "mlp.router.weight"], whole[p + "mlp.router.weight"]) for r in ranks)
+
+
 def test_a_model_the_ranks_cannot_split_evenly_is_refused_naming_the_flag(tmp_path: Path) -> None:
     arch = _arch(TinySpec(num_heads=4, num_kv_heads=2), tmp_path / "gqa")
     assert shard_arch(arch, 2).num_kv_heads == 1 and shard_arch(arch, 2).intermediate_size == 64
@@ -80,9 +101,14 @@ def test_a_model_the_ranks_cannot_split_evenly_is_refused_naming_the_flag(tmp_pa
     with pytest.raises(ConfigError, match="4 key/value heads neither split evenly over 6 devices nor, fewer, divide"):
         check_shardable(twelve, 6)
     moe = _arch(TinySpec(kind="qwen3_moe", num_heads=4, num_kv_heads=2, head_dim=32), tmp_path / "moe")
-    with pytest.raises(ConfigError, match="mixture of experts"):
-        check_shardable(moe, 2)
-    check_shardable(moe, 1)
+    check_shardable(moe, 2)
+    assert shard_arch(moe, 2).moe_intermediate_size == 16 and shard_arch(moe, 2).num_experts == 8
+    odd_experts = _arch(
+        TinySpec(kind="qwen3_moe", num_heads=4, num_kv_heads=2, head_dim=32, moe_intermediate_size=34),
+        tmp_path / "odd-experts",
+    )
+    with pytest.raises(ConfigError, match="34 features of each expert do not split evenly over 4"):
+        check_shardable(odd_experts, 4)
     with pytest.raises(ConfigError, match="do not split evenly"):
         load_model(str(write_random_model(tmp_path / "m", TinySpec(num_heads=4, num_kv_heads=2))),
                    tensor_parallel=TensorParallel(0, 3))  # fmt: skip
@@ -169,6 +195,15 @@ CASES = {
         1e-4,
     ),
     "llama-torch-bf16": (TinySpec(num_heads=4, num_kv_heads=2), {"dtype": "bfloat16"}, 0.15),
+    # (Mixtures: the router whole, each expert's features split, the experts' partial sums added as the MLP's.)
+    "qwen3-moe-experts": (TinySpec(kind="qwen3_moe", num_heads=4, num_kv_heads=2, head_dim=32, seed=3), {}, 1e-4),
+    "mixtral-experts": (TinySpec(kind="mixtral", num_heads=4, num_kv_heads=2, seed=4), {}, 1e-4),
+    # (gpt-oss: its sinks by heads, o's bias after the sum, its experts' interleaved columns, down's bias rank 0's.)
+    "gpt-oss-sinks-experts": (
+        TinySpec(kind="gpt_oss", num_heads=4, num_kv_heads=2, head_dim=16, seed=17, sliding_window=8, swiglu_limit=2.0),
+        {},
+        1e-4,
+    ),
 }
 
 
@@ -212,11 +247,12 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "phi3"])
+@pytest.mark.parametrize("kind", ["qwen2", "phi3", "gpt_oss"])
 def test_a_rank_reads_its_parts_of_the_files_as_the_slices_of_whole_tensors(kind: str, tmp_path: Path) -> None:
-    """From a safetensors directory a rank reads only its parts (safetensors' slices): the network is the one cut from
-    the same tensors read whole (the path of GGUF files, dequantized checkpoints and weights drawn in memory)."""
-    spec = TinySpec(kind=kind, num_heads=4, num_kv_heads=2)
+    """From a safetensors directory a rank reads only its parts (safetensors' slices; gpt-oss's stacked experts along
+    their second and third dimensions, its down bias as zeros past rank 0): the network is the one cut from the same
+    tensors read whole (the path of GGUF files, dequantized checkpoints and weights drawn in memory)."""
+    spec = TinySpec(kind=kind, num_heads=4, num_kv_heads=2, sliding_window=8 if kind == "gpt_oss" else None)
     path = write_random_model(tmp_path / "m", spec)
     for rank in range(2):
         tp = TensorParallel(rank, 2)
