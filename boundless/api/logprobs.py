@@ -127,9 +127,9 @@ class StreamedContent:
                 self._decided += 1
         else:
             start = len(text) - len(answer)
-            known = None if sent is None else start + len(answer[:sent].rstrip())
+            until = None if sent is None else start + len(answer[:sent].rstrip())
             out = []
-            while self._decided < len(self._tokens) and (known is None or self._at[self._decided] < known):
+            while self._decided < len(self._tokens) and (until is None or self._at[self._decided] < until):
                 if self._at[self._decided] >= start:
                     out.append(self._tokens[self._decided])
                 self._decided += 1

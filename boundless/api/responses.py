@@ -275,8 +275,8 @@ def _reasoning_text(item: dict[str, Any]) -> str | None:
         parts = item.get(key)
         if not isinstance(parts, list):
             continue
-        texts = [p.get("text") for p in parts if isinstance(p, dict) and p.get("type") == kind]
-        texts = [t for t in texts if isinstance(t, str)]
+        of_kind = [p.get("text") for p in parts if isinstance(p, dict) and p.get("type") == kind]
+        texts = [text for text in of_kind if isinstance(text, str)]
         if texts:
             return TEXT_PART_SEPARATOR.join(texts)
     return None

@@ -65,7 +65,7 @@ def load_hf_reference(loaded: LoadedModel):
             options["config"] = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
         if (hf_config(path).get("quantization_config") or {}).get("quant_method") == "mxfp4":
             # (gpt-oss's MXFP4 experts dequantized: transformers' MXFP4 kernels come from the Hub, and need a GPU)
-            options["quantization_config"] = transformers.Mxfp4Config(dequantize=True)
+            options["quantization_config"] = transformers.Mxfp4Config(dequantize=True)  # type: ignore[attr-defined]
         model = AutoModelForCausalLM.from_pretrained(str(path), **options)
     # (transformers decorates PreTrainedModel.to with functools.wraps, which mypy does not bind as a method.)
     return model.to(loaded.device).eval()  # type: ignore[arg-type]
