@@ -24,7 +24,7 @@ import torch
 
 from boundless.api.launch import free_port
 from boundless.cli import main
-from boundless.config import EngineConfig
+from boundless.config import EngineConfig, ServerConfig
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 
@@ -718,21 +718,31 @@ def test_a_config_file_gives_on_and_off_to_flags_of_words(tmp_path: Path) -> Non
 
 
 def test_structured_outputs_in_reasoning_without_a_reasoning_parser_is_said_to_be_ignored(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The flag holds the reasoning a parser finds to the grammar; without a parser there is none, and it was
-    accepted and ignored in silence."""
-    import boundless.api.launch as launch
+    accepted and ignored in silence. Told once the model is loaded: a vocabulary of harmony's tags (gpt-oss's) reads
+    its reasoning without the flag."""
+    from boundless.api.launch import warn_unread_reasoning
+    from boundless.api.reasoning import HARMONY_TAGS
 
-    def started(config: EngineConfig, *args: object) -> None:
-        raise _Started(config)
+    class Vocabulary:
+        def __init__(self, tokens: tuple[str, ...]) -> None:
+            self.tokens = tokens
 
-    monkeypatch.setattr(launch, "make_client", started)
-    for flags, said in (([], True), (["--reasoning-parser", "qwen3"], False)):
+        def token_to_id(self, token: str) -> int | None:
+            return self.tokens.index(token) if token in self.tokens else None
+
+    plain, harmony = Vocabulary(("a", "b")), Vocabulary(HARMONY_TAGS)
+    warned = "--structured-outputs-in-reasoning: with a reasoning parser only; ignored here"
+    for flags, vocabulary, said in (
+        ({}, plain, True),
+        ({"reasoning_parser": "qwen3"}, plain, False),
+        ({}, harmony, False),
+    ):
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="boundless.api.launch"), pytest.raises(_Started):
-            main(["serve", str(tmp_path / "model"), "--structured-outputs-in-reasoning", *flags])
-        warned = "--structured-outputs-in-reasoning: with --reasoning-parser only; ignored here"
+        with caplog.at_level(logging.WARNING, logger="boundless.api.launch"):
+            warn_unread_reasoning(ServerConfig(structured_outputs_in_reasoning=True, **flags), vocabulary)
         assert (warned in [r.getMessage() for r in caplog.records]) is said
 
 

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from types import FrameType
+from typing import Any
 
 import uvicorn
 from starlette.types import ASGIApp
@@ -85,6 +86,15 @@ def make_client(config: EngineConfig, cluster: ClusterConfig, max_waiting: int) 
     return local_engine(config, max_waiting, cluster)
 
 
+def warn_unread_reasoning(server: ServerConfig, tokenizer: Any) -> None:
+    """``--structured-outputs-in-reasoning`` holds the reasoning a parser finds to the grammar: said to be ignored
+    where no parser reads any (told once the model is loaded: a vocabulary of harmony's tags reads gpt-oss's reasoning
+    without the flag)."""
+    reads = reasoning_parser_name(server.reasoning_parser, server.tool_call_parser, tokenizer)
+    if server.structured_outputs_in_reasoning and reads is None:
+        log.warning("--structured-outputs-in-reasoning: with a reasoning parser only; ignored here")
+
+
 def serve(config: EngineConfig, server: ServerConfig, cluster: ClusterConfig | None = None) -> None:
     """Load the model and serve until interrupted."""
     server = resolve_api_key(server)
@@ -92,10 +102,8 @@ def serve(config: EngineConfig, server: ServerConfig, cluster: ClusterConfig | N
     configured_chat_template(server)  # a bad --chat-template fails before the model loads
     check_bindable(server.host, server.port)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    reads_reasoning = reasoning_parser_name(server.reasoning_parser, server.tool_call_parser) is not None
-    if server.structured_outputs_in_reasoning and not reads_reasoning:
-        log.warning("--structured-outputs-in-reasoning: with --reasoning-parser only; ignored here")
     engine = make_client(config, cluster or ClusterConfig(), server.max_waiting)
+    warn_unread_reasoning(server, engine.tokenizer)
     # What start-up built (the model's objects, the imported modules, the engine) lives as long as the server: out
     # of the collector's full walks, as vLLM's engine freezes its start-up heap. A 256-request decode run spent ~10% of
     # its wall time in the collector's walks of it (docs/engine.md).

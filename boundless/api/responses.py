@@ -221,9 +221,11 @@ def conversation(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     the assistant message just before them (one of their own if there is none), each call's output as a ``tool``
     message. An assistant's text and the calls after it are one turn, as a stored response keeps them and as OpenAI's
     and vLLM's conversions read such items (a stateless client, ``store: false``, sends them back so). A ``reasoning``
-    item's text (its ``reasoning_text`` content, as this server writes it, else its summary) is the reasoning of the
-    assistant turn after it (``reasoning_content``, which a chat template that keeps the reasoning before a call
-    renders: gpt-oss's); one with nothing but encrypted content adds nothing."""
+    item's text (its ``reasoning_text`` content, as this server writes it, else its summary; several in a row joined)
+    is the reasoning of the assistant turn after it, or of the one before it that its calls continue (this server's
+    answer-first output: a preamble, then the reasoning, then the calls), as ``reasoning_content``, which a chat
+    template that keeps the reasoning before a call renders (gpt-oss's); one with nothing but encrypted content adds
+    nothing."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     if not items:
@@ -249,6 +251,8 @@ def conversation(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
+                if thought and "reasoning_content" not in last:  # (this server's answer-first turn: message, reasoning)
+                    last["reasoning_content"] = thought
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
                 if thought:
@@ -260,7 +264,9 @@ def conversation(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             text = _item_text(output, f"{where}.output")  # (a string, or text parts)
             messages.append({"role": "tool", "tool_call_id": call_id, "content": text})
         elif kind == "reasoning":
-            thought = _reasoning_text(item)
+            said = _reasoning_text(item)
+            if said:  # (several in a row are one turn's, joined; an encrypted one adds nothing)
+                thought = said if thought is None else TEXT_PART_SEPARATOR.join((thought, said))
             continue
         else:
             raise APIError(400, f"input items of type {kind!r} are not supported", f"{where}.type")

@@ -805,23 +805,39 @@ class GGUFWeights:
 _T = TypeVar("_T")
 
 
+# How many bytes of dequantized (fp32) tensors the reader may have done or under way ahead of the one taken.
+_AHEAD_BYTES = 2 << 30
+
+
 def _parallel_map(fn: Callable[[GGUFTensorInfo], _T], items: Iterable[GGUFTensorInfo]) -> Iterator[_T]:
     """``fn`` of each item, in order, a few at once: numpy releases the GIL inside its kernels, so threads overlap the
-    dequantization of different tensors; at most two a worker are done or under way ahead of the one taken (so
-    memory holds a few dequantized tensors, not the file's)."""
+    dequantization of different tensors. Ahead of the one taken, at most two a worker are done or under way, and no
+    more than :data:`_AHEAD_BYTES` of them in fp32 but for one (so memory holds a few dequantized tensors, not the
+    file's: gpt-oss-120b's experts are 4 GB each in fp32); a consumer that stops, or an error, cancels the rest."""
     items = list(items)
     workers = min(len(items), os.cpu_count() or 1, 8)
     if workers <= 1:
         yield from (fn(item) for item in items)
         return
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        pending: deque[Future[_T]] = deque()
+
+    def size(item: GGUFTensorInfo) -> int:
+        return 4 * math.prod(item.shape)
+
+    pool = ThreadPoolExecutor(max_workers=workers)
+    pending: deque[tuple[Future[_T], int]] = deque()
+    ahead = 0
+    try:
         for item in items:
-            pending.append(pool.submit(fn, item))
-            if len(pending) > 2 * workers:
-                yield pending.popleft().result()
+            while pending and (len(pending) >= 2 * workers or ahead + size(item) > _AHEAD_BYTES):
+                future, nbytes = pending.popleft()
+                ahead -= nbytes
+                yield future.result()
+            pending.append((pool.submit(fn, item), size(item)))
+            ahead += size(item)
         while pending:
-            yield pending.popleft().result()
+            yield pending.popleft()[0].result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def load_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32) -> GGUFModel:

@@ -481,3 +481,10 @@ def test_a_reasoning_items_text_is_the_next_assistant_turns_reasoning() -> None:
     sealed = {"type": "reasoning", "summary": [], "encrypted_content": "gAAAA"}
     assert "reasoning_content" not in conversation([{"role": "user", "content": "Hi"}, sealed, said])[1]
     assert "reasoning_content" not in conversation([thought, {"role": "user", "content": "Hi"}, said])[1]
+    # This server's answer-first output (a preamble, then the reasoning, then the call) sent back as it came: the
+    # reasoning is the call's turn's, as a chained response keeps it; two in a row are joined, a sealed one adds none.
+    preamble = {"role": "assistant", "content": "Let me check."}
+    turn = conversation([{"role": "user", "content": "Hi"}, preamble, thought, call])[1]
+    assert turn["reasoning_content"] == "Look it up." and turn["content"] == "Let me check." and turn["tool_calls"]
+    twice = conversation([{"role": "user", "content": "Hi"}, summary, sealed, thought, call])[1]
+    assert twice["reasoning_content"] == "Short.\nLook it up."
