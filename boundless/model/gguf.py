@@ -893,7 +893,9 @@ def read_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float3
             # such a file, for the Hugging Face checkpoint's w.)
             array = array - arch.norm_weight_offset
         tensor = torch.from_numpy(array)
-        return tensor if dtype == torch.float32 else tensor.to(dtype)
+        if dtype == torch.float32 or (arch.fp32_norms and info.name.endswith("norm.weight")):
+            return tensor  # (a norm the model holds in fp32 takes its weight unrounded, as read whole before)
+        return tensor.to(dtype)
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
         parts: dict[str, dict[str, torch.Tensor]] = {}  # a gpt-oss file's stacked experts' tensors, by their parts
