@@ -154,6 +154,16 @@ TINY_SPECS = {
         swiglu_limit=2.0,
         mxfp4=True,
     ),
+    # SmolLM3: a Llama whose every 2nd layer has no RoPE (its 3 layers: the middle one), tied embeddings, GQA.
+    "tiny-smollm3": TinySpec(
+        kind="smollm3",
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        seed=19,
+        tie_word_embeddings=True,
+        no_rope_layer_interval=2,
+    ),
     # Qwen3 with YaRN (factor 4 over an original 32 positions: most prompts run past it, where it interpolates).
     "tiny-qwen3-yarn": TinySpec(
         kind="qwen3",

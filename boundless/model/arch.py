@@ -10,7 +10,7 @@ from typing import Any
 
 SUPPORTED_ARCHITECTURES = (
     "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "granite", "glm4",
-    "gpt_oss",
+    "gpt_oss", "smollm3",
 )  # fmt: skip
 # The architectures that norm each query and key head before RoPE (ModelArch.qk_norm), whatever the file format.
 QK_NORM_ARCHITECTURES = ("qwen3", "qwen3_moe", "gemma3_text")
@@ -70,6 +70,8 @@ CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
             "original_max_position_embeddings": 4096,
         },
     },
+    # (SmolLM3Config's: tied embeddings.)
+    "smollm3": {"tie_word_embeddings": True},
     "gemma3_text": {
         **_GEMMA_DEFAULTS,
         "vocab_size": 262208,
@@ -227,6 +229,9 @@ class ModelArch:
     window, and in every layer a mixture of experts whose router and experts have biases and whose activation is a
     clamped SwiGLU (``(clamp(up, ±limit) + 1) * g * sigmoid(alpha g)`` for ``g = min(gate, limit)``,
     ``swiglu_limit`` and ``swiglu_alpha``); its norms keep their weights in fp32 and round after them, as Gemma's.
+
+    SmolLM3 (``smollm3``): a Llama whose ``nope_layers`` rotate nothing (no positional encoding there: every 4th
+    layer, or as its config's ``no_rope_layers`` says).
     """
 
     model_type: str
@@ -267,6 +272,7 @@ class ModelArch:
     attention_sinks: bool = False
     swiglu_limit: float | None = None
     swiglu_alpha: float | None = None
+    nope_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         sizes = {
@@ -385,6 +391,8 @@ class ModelArch:
             del fields["qk_norm"]
         if not self.full_attention_layers:
             del fields["full_attention_layers"]
+        if not self.nope_layers:
+            del fields["nope_layers"]
         later = (
             "local_rope_theta", "query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap",
             "attention_multiplier", "swiglu_limit", "swiglu_alpha",
@@ -452,9 +460,10 @@ class ModelArch:
         final_cap = cfg.get("final_logit_softcapping") if gemma else None
         # transformers' Llama and Qwen3 put attention_bias on o_proj too, and Llama's mlp_bias on the MLP: biases this
         # model has not (Mistral, Mixtral and Phi-3 read neither field; Qwen2 has q/k/v biases whatever it says).
-        if cfg.get("attention_bias") and model_type in ("llama", "qwen3", "qwen3_moe", "granite", *GEMMA_ARCHITECTURES):
+        biased = ("llama", "qwen3", "qwen3_moe", "granite", "smollm3", *GEMMA_ARCHITECTURES)
+        if cfg.get("attention_bias") and model_type in biased:
             raise ValueError("attention_bias is not supported: it biases o_proj too, which this model cannot")
-        if cfg.get("mlp_bias") and model_type in ("llama", "granite"):
+        if cfg.get("mlp_bias") and model_type in ("llama", "granite", "smollm3"):
             raise ValueError("mlp_bias is not supported: this model's MLPs have no biases")
         max_positions = int(cfg.get("max_position_embeddings", 2048))
         if kind == "yarn":
@@ -492,16 +501,24 @@ class ModelArch:
             "use_sliding_window", model_type in ("mistral", "mixtral", "phi3", "gpt_oss", *GEMMA_ARCHITECTURES)
         )
         num_layers = cfg["num_hidden_layers"]
+        nope: tuple[int, ...] = ()
+        if model_type == "smollm3":  # (SmolLM3Config's: a layer without RoPE every no_rope_layer_interval-th)
+            interval = int(cfg.get("no_rope_layer_interval") or 4)
+            uses = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(num_layers)]
+            nope = tuple(i for i in range(num_layers) if not uses[i])
         window = cfg.get("sliding_window") if use_window else None
         full_layers: tuple[int, ...] = ()
         if window is not None:
             # (As transformers: a saved config's layer_types, else Qwen's first max_window_layers attend it all, and
             # Gemma's every sliding_window_pattern-th layer.)
             types = cfg.get("layer_types")
-            if types and model_type in ("qwen2", "qwen3", "gpt_oss", *GEMMA_ARCHITECTURES):  # (Qwen3-MoE's all slide)
+            # (Qwen3-MoE's every layer slides, whatever its layer_types say.)
+            if types and model_type in ("qwen2", "qwen3", "gpt_oss", "smollm3", *GEMMA_ARCHITECTURES):
                 full_layers = tuple(i for i, kind in enumerate(types) if kind != "sliding_attention")
             elif model_type in ("qwen2", "qwen3"):
                 full_layers = tuple(range(min(num_layers, int(cfg.get("max_window_layers", 28)))))
+            elif model_type == "smollm3":  # (SmolLM3Config's: its layers without RoPE slide)
+                full_layers = tuple(i for i in range(num_layers) if i not in nope)
             elif model_type == "gpt_oss":  # (GptOssConfig's: the even layers slide, the odd ones see it all)
                 full_layers = tuple(range(1, num_layers, 2))
             elif gemma:  # (Gemma 2's every other layer, Gemma 3's every 6th)
@@ -538,6 +555,7 @@ class ModelArch:
             attention_sinks=model_type == "gpt_oss",
             swiglu_limit=float(cfg["swiglu_limit"]) if model_type == "gpt_oss" else None,
             swiglu_alpha=float(cfg["swiglu_alpha"]) if model_type == "gpt_oss" else None,
+            nope_layers=nope,
             qk_norm=model_type in QK_NORM_ARCHITECTURES,
             num_experts=experts,
             num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,

@@ -190,7 +190,9 @@ def rope_(
     """Rotate, in place, the leading ``rotary_dim`` dimensions of the first ``heads`` heads of every row of ``x``
     [tokens, >= heads * head_dim] (rotate-half layout within them); ``cos``/``sin`` [positions, rotary_dim / 2] are
     indexed by ``positions``. With ``head_norm``, each head is normalized first (Qwen3)."""
-    assert _rows_ok(x) and x.shape[1] >= heads * head_dim and cos.shape[1] * 2 == rotary_dim <= head_dim
+    # (rotary_dim 0: a layer without RoPE, SmolLM3's; only the heads' norms, if any, are applied)
+    assert _rows_ok(x) and x.shape[1] >= heads * head_dim and rotary_dim in (0, cos.shape[1] * 2)
+    assert rotary_dim <= head_dim
     assert positions.dtype == torch.long and positions.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
     norm = _NO_HEAD_NORM if head_norm is None else head_norm.args()
     _lib().bl_rope(

@@ -225,6 +225,7 @@ class DecoderLayer(nn.Module):
         self.num_kv_heads = arch.num_kv_heads
         self.head_dim = arch.head_dim
         self.rotary_dim = arch.rotary_dim  # each head's leading dimensions RoPE rotates (Phi-4-mini's: 3/4 of them)
+        self.rope = index not in arch.nope_layers  # (SmolLM3's layers without positional encoding rotate nothing)
         # What attention's and the MLP's outputs are multiplied by as they join the residual stream (Granite's).
         self.residual_multiplier = arch.residual_multiplier
         self.window = arch.layer_window(index)  # its sliding window (None: the whole context)
@@ -345,7 +346,8 @@ class DecoderLayer(nn.Module):
         # q and k heads sit side by side in each row: rotate them together, in place.
         heads = qkv[:, : q_size + kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
         self._norm_heads_(heads)
-        apply_rotary_(self._rotated(heads), cos, sin)
+        if self.rope:
+            apply_rotary_(self._rotated(heads), cos, sin)
         q, k, v = (part.view(t, -1, self.head_dim) for part in qkv.split(self.qkv_sizes, dim=-1))
         attn = self._attend(attention, q, k, v, cache, attn_meta).reshape(t, -1)
         out = self._o_projection(attn, lora, index)
@@ -435,7 +437,8 @@ class DecoderLayer(nn.Module):
         q_size, kv_size, _ = self.qkv_sizes
         heads = qkv[:, : q_size + kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
         self._norm_heads_(heads)
-        ops.rotary_(self._rotated(heads), positions, rope.cos, rope.sin)
+        if self.rope:
+            ops.rotary_(self._rotated(heads), positions, rope.cos, rope.sin)
         q, k, v = (part.view(t, -1, self.head_dim) for part in qkv.split(self.qkv_sizes, dim=-1))
         attn = self._attend(attention, q, k, v, cache, attn_meta).reshape(t, -1)
         out = self._o_projection(attn, lora, index)
@@ -478,16 +481,17 @@ class DecoderLayer(nn.Module):
         assert packed is not None
         rope, x = step.local_rope if self.local_rope else step.rope, step.x
         heads = self.num_heads + self.num_kv_heads
+        rotated = self.rotary_dim if self.rope else 0  # (the kernel rotates the leading `rotated` of each head)
         if lora is None or not lora.touches(index, QKV):
             cpu_kernels.layer_in(
                 hidden, self.input_norm.weight, self.input_norm.eps, x, packed.qkv, step.qkv, heads, self.head_dim,
-                self.rotary_dim, step.positions, rope.cos, rope.sin, packed.head_norm,
+                rotated, step.positions, rope.cos, rope.sin, packed.head_norm,
             )  # fmt: skip
         else:
             cpu_kernels.rms_norm(hidden, self.input_norm.weight, self.input_norm.eps, x)
             lora.add_(index, QKV, x, packed.qkv.matmul(x, step.qkv))
             cpu_kernels.rope_(
-                step.qkv, heads, self.head_dim, self.rotary_dim, step.positions, rope.cos, rope.sin, packed.head_norm
+                step.qkv, heads, self.head_dim, rotated, step.positions, rope.cos, rope.sin, packed.head_norm
             )
         # (reshape: a backend's output may be strided so that no view flattens it, PyTorch's for some head sizes)
         attn = self._attend(attention, step.q, step.k, step.v, cache, attn_meta).reshape(x.shape[0], -1)

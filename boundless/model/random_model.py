@@ -36,7 +36,7 @@ _CORPUS = [
 @dataclass(frozen=True)
 class TinySpec:
     """The shape of a random model. ``kind`` is llama, qwen2, qwen3, qwen3_moe, mistral, mixtral, phi3, gemma2,
-    gemma3_text, granite, glm4 or gpt_oss (Gemma's: its sliding-window layers all but every
+    gemma3_text, granite, glm4, gpt_oss or smollm3 (Gemma's: its sliding-window layers all but every
     ``sliding_window_pattern``-th, Gemma 3's rotated on ``local_rope_theta``, its softmax scale
     ``query_pre_attn_scalar ** -0.5``, Gemma 2's scores and logits capped at ``attn_logit_softcap`` and
     ``final_logit_softcap``; Granite's four multipliers; GLM-4's biases, fused gate/up, four norms a layer and
@@ -48,7 +48,8 @@ class TinySpec:
     from layer ``max_window_layers`` on, as transformers reads it). A phi3 model's RoPE may rotate part of each head
     (``partial_rotary_factor``, Phi-4-mini's) and its ``rope_scaling`` be LongRoPE's, over
     ``original_max_position_embeddings``. A gpt_oss model's layers are all sparse, its even ones windowed, its experts
-    clamped at ``swiglu_limit`` and with ``mxfp4`` saved as the Hub's MXFP4 blocks."""
+    clamped at ``swiglu_limit`` and with ``mxfp4`` saved as the Hub's MXFP4 blocks; a smollm3 model's every
+    ``no_rope_layer_interval``-th layer rotates nothing."""
 
     kind: str = "llama"
     vocab_size: int = 384
@@ -86,6 +87,8 @@ class TinySpec:
     # gpt-oss's clamp of its experts' gate and up, and its experts' weights as MXFP4 blocks and scales.
     swiglu_limit: float = 7.0
     mxfp4: bool = False
+    # SmolLM3's layer without RoPE every this many.
+    no_rope_layer_interval: int = 4
 
 
 def _train_tokenizer(vocab_size: int):
@@ -143,6 +146,7 @@ _ARCHITECTURES = {
     "granite": "GraniteForCausalLM",
     "glm4": "Glm4ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
 }
 _GEMMA = ("gemma2", "gemma3_text")
 
@@ -254,6 +258,10 @@ def _config(spec: TinySpec) -> dict:
         if spec.mxfp4:
             unquantized = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
             cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": unquantized}
+    if spec.kind == "smollm3":
+        cfg.update(
+            no_rope_layer_interval=spec.no_rope_layer_interval, attention_bias=False, mlp_bias=False, pad_token_id=0
+        )
     if spec.kind == "mixtral":  # (its intermediate_size is each expert's)
         cfg.update(
             intermediate_size=spec.moe_intermediate_size,

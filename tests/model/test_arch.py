@@ -242,6 +242,24 @@ def test_gpt_oss_reads_as_transformers_does() -> None:
     assert not ModelArch.from_hf_config({**GPT_OSS_20B, "attention_bias": False}).o_bias
 
 
+def test_smollm3_reads_as_transformers_does() -> None:
+    """SmolLM3-3B: every 4th layer without RoPE (SmolLM3Config's default), or the layers its ``no_rope_layers`` mark
+    0; tied embeddings by default; biases refused as for a Llama."""
+    from transformers import SmolLM3Config
+
+    config = {"model_type": "smollm3", "hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36,
+              "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 128256, "rope_theta": 5000000.0,
+              "max_position_embeddings": 65536}  # fmt: skip
+    arch = ModelArch.from_hf_config(config)
+    want = SmolLM3Config(**config).no_rope_layers
+    assert arch.nope_layers == tuple(i for i, uses in enumerate(want) if not uses) == tuple(range(3, 36, 4))
+    assert arch.tie_word_embeddings and arch.sliding_window is None
+    marked = ModelArch.from_hf_config({**config, "no_rope_layers": [1] * 35 + [0]})
+    assert marked.nope_layers == (35,) and marked.fingerprint() != arch.fingerprint()
+    with pytest.raises(ValueError, match="attention_bias"):
+        ModelArch.from_hf_config({**config, "attention_bias": True})
+
+
 def test_a_mistral3_config_reads_as_its_text_model() -> None:
     """Mistral Small 3.1's config (Mistral3ForConditionalGeneration: a Pixtral vision tower beside a Mistral): its
     text_config, read as the Mistral it is; its top level's token ids where the text config has none."""

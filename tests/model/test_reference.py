@@ -164,15 +164,16 @@ GREEDY_PARAMS = [
 
 
 @pytest.mark.parametrize(
-    "name", ["tiny-mixtral", "tiny-phi3", "tiny-qwen3-yarn", "tiny-granite", "tiny-glm4", "tiny-gpt-oss-mxfp4"]
+    "name",
+    ["tiny-mixtral", "tiny-phi3", "tiny-qwen3-yarn", "tiny-granite", "tiny-glm4", "tiny-gpt-oss-mxfp4", "tiny-smollm3"],
 )
 def test_more_architectures_greedy_match_transformers(
     name: str, load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]
 ) -> None:
     """Mixtral (the same mixture of experts as Qwen3-MoE's, under its own names, in every layer), Phi-3 (a Llama
     whose checkpoint fuses q/k/v and gate/up), a Qwen3 with YaRN RoPE scaling, Granite (its multipliers) and GLM-4
-    (its interleaved RoPE on half of each head, four norms a layer) and gpt-oss from MXFP4 experts, in one batch with
-    prefix caching; the other configurations run on the architectures above."""
+    (its interleaved RoPE on half of each head, four norms a layer), gpt-oss from MXFP4 experts and SmolLM3 (a layer
+    without RoPE), in one batch with prefix caching; the other configurations run on the architectures above."""
     ref = _reference(name, load, hf_model)
     assert _run_greedy(_engine(ref.loaded), ref.prompts) == ref.tokens
 
@@ -248,6 +249,7 @@ TRITON_MODELS = [
     "tiny-granite",  # (the fused path's multiplied products, a softmax scale of its own)
     "tiny-glm4",  # (its norms of the products in the model's dtype, RoPE on half of each head)
     "tiny-gpt-oss",  # (the sinks merged with the kernels' log-sum-exp)
+    "tiny-smollm3",  # (a layer the fused path leaves unrotated)
     "smollm2-135m",
 ]
 
@@ -282,6 +284,7 @@ FLEX_MODELS = [
     "tiny-granite",
     "tiny-glm4",
     "tiny-gpt-oss",
+    "tiny-smollm3",
     pytest.param("smollm2-135m", marks=pytest.mark.slow),
 ]
 
@@ -635,6 +638,21 @@ def test_each_part_of_gpt_oss_counts(
                 for name, param in layer.named_parameters():
                     param.copy_(params[name])
         ref.loaded.model._packed_key = None
+
+
+def test_smollm3s_layer_without_rope_counts(load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]) -> None:
+    """SmolLM3's middle layer rotates nothing: the per-step logits are transformers' (test_more_architectures_... its
+    tokens), and with that layer rotated too they are not."""
+    ref = _reference("tiny-smollm3", load, hf_model)
+    assert ref.loaded.arch.nope_layers == (1,)
+    _check_per_step_logits(ref)
+    layer = ref.loaded.model.layers[1]
+    try:
+        layer.rope = True
+        with pytest.raises(AssertionError, match="largest logit difference"):
+            _check_per_step_logits(ref)
+    finally:
+        layer.rope = False
 
 
 def test_heads_of_20_dimensions_as_many_for_keys_match_transformers(tmp_path: Path) -> None:
