@@ -730,7 +730,7 @@ def _full_attention_layers(
     return tuple(range(1, layers, 2)) if model_type == "gpt_oss" else ()
 
 
-def _gpt_oss_swiglu(meta: Mapping[str, Any], prefix: str, layers: int) -> dict[str, float]:
+def _gpt_oss_swiglu(meta: Mapping[str, Any], prefix: str, layers: int) -> dict[str, Any]:
     """A gpt-oss file's clamped SwiGLU: ``swiglu_alpha`` llama.cpp's 1.702 and ``swiglu_limit`` its 7.0, both
     GptOssConfig's defaults and what the Hub's models use; a file may hold another limit under ``swiglu_clamp_exp``
     (the key ``gguf`` defines for the clamp of the experts' SwiGLU, a value a layer: one for all of them here), which
