@@ -42,7 +42,7 @@ HARMONY_CALLS = "openai"  # (the --tool-call-parser that reads harmony's calls)
 
 
 # Harmony's tags, each a special token of gpt-oss's vocabulary (o200k_harmony): a vocabulary holding them all is one.
-HARMONY_TAGS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>")
+HARMONY_TAGS = (harmony.START, harmony.CHANNEL, harmony.MESSAGE, harmony.END, harmony.RETURN, harmony.CALL)
 
 
 def reasoning_parser_name(
@@ -54,8 +54,8 @@ def reasoning_parser_name(
     with or without a flag, and a harmony output read as plain text is its tags and channels verbatim."""
     if reasoning_parser is not None:
         return reasoning_parser
-    harmony = tokenizer is not None and all(tokenizer.token_to_id(tag) is not None for tag in HARMONY_TAGS)
-    return HARMONY_PARSER if tool_call_parser == HARMONY_CALLS or harmony else None
+    harmony_vocabulary = tokenizer is not None and all(tokenizer.token_to_id(t) is not None for t in HARMONY_TAGS)
+    return HARMONY_PARSER if tool_call_parser == HARMONY_CALLS or harmony_vocabulary else None
 
 
 @dataclass(frozen=True)

@@ -300,6 +300,8 @@ class ModelArch:
             raise ValueError(f"sliding_window must be a positive integer, not {self.sliding_window!r}")
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: {', '.join(ACTIVATIONS)}")
+        if (self.swiglu_limit is None) != (self.swiglu_alpha is None):
+            raise ValueError("swiglu_limit and swiglu_alpha go together (gpt-oss's clamped SwiGLU): both or neither")
         if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
             raise ValueError(
                 f"partial_rotary_factor {self.partial_rotary_factor} rotates {self.rotary_dim} of {self.head_dim} "

@@ -27,7 +27,14 @@ import numpy as np
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
 
-from boundless.model.arch import GEMMA_ARCHITECTURES, QK_NORM_ARCHITECTURES, ModelArch, RopeScaling, yarn_scaling
+from boundless.model.arch import (
+    CONFIG_DEFAULTS,
+    GEMMA_ARCHITECTURES,
+    QK_NORM_ARCHITECTURES,
+    ModelArch,
+    RopeScaling,
+    yarn_scaling,
+)
 from boundless.model.gguf_quants import dequantize
 from boundless.model.tokenizer import Tokenizer
 
@@ -124,7 +131,9 @@ _GPT_OSS_MLP = (
 )  # fmt: skip
 # What llama.cpp runs gpt-oss's clamped SwiGLU with: its alpha always, its limit where a file says none (its loader
 # reads no key for either; a file may hold the limit under ``swiglu_clamp_exp``, :func:`_gpt_oss_swiglu`).
-_GPT_OSS_SWIGLU_ALPHA, _GPT_OSS_SWIGLU_LIMIT = 1.702, 7.0
+# (GptOssConfig's defaults, which CONFIG_DEFAULTS holds.)
+_GPT_OSS_SWIGLU_ALPHA = CONFIG_DEFAULTS["gpt_oss"]["swiglu_alpha"]
+_GPT_OSS_SWIGLU_LIMIT = CONFIG_DEFAULTS["gpt_oss"]["swiglu_limit"]
 
 
 class _GemmaFile(NamedTuple):

@@ -195,7 +195,8 @@ class _PackedLayer:
                 layer.gate_up_weight, glu=True, storage=take(layer.gate_up_weight, glu=True)
             )
             self.down = cpu_kernels.PackedWeight(layer.down_weight, storage=take(layer.down_weight))
-        # A sparse layer's experts, each packed as a dense MLP is (SiLU(gate) * up in the first matmul's epilogue).
+        # A sparse layer's experts, each packed as a dense MLP is (SparseMoE.pack: SiLU(gate) * up in the first
+        # matmul's epilogue, or gpt-oss's activation after it).
         self.experts = [] if layer.moe is None else layer.moe.pack(take)
         q_norm, k_norm = layer.q_norm, layer.k_norm
         self.head_norm = (

@@ -54,7 +54,7 @@ class SparseMoE(nn.Module):
         self.gate_up_bias = nn.Parameter(torch.zeros(experts, 2 * inter)) if biased else None
         self.down_bias = nn.Parameter(torch.zeros(experts, hidden)) if biased else None
         self.swiglu_limit = arch.swiglu_limit
-        self.swiglu_alpha = arch.swiglu_alpha or 1.702
+        self.swiglu_alpha = arch.swiglu_alpha
         # On the CPU in fp32 (LlamaModel.prepare): the router packed for the native kernel, whose product gives a row
         # the same logits whatever rows share its step (PyTorch's CPU product sums a lone row otherwise: its experts'
         # weights, and even its experts, changed with the batch).
@@ -80,12 +80,12 @@ class SparseMoE(nn.Module):
         """The gated activation of an expert's gate and up halves side by side: ``SiLU(gate) * up``, or gpt-oss's
         clamped SwiGLU (``swiglu_limit``), as transformers' GptOssExperts computes it."""
         gate, up = gate_up.chunk(2, dim=-1)
-        limit = self.swiglu_limit
-        if limit is None:
+        limit, alpha = self.swiglu_limit, self.swiglu_alpha
+        if limit is None or alpha is None:  # (ModelArch has both or neither)
             return F.silu(gate) * up
         gate = gate.clamp(max=limit)
         up = up.clamp(min=-limit, max=limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * self.swiglu_alpha))
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
     @property
     def glu_epilogue(self) -> bool:
@@ -136,12 +136,10 @@ class SparseMoE(nn.Module):
             if not count:
                 continue
             rows = tokens[start : start + count]
-            if packed and self.glu_epilogue:
+            if packed:
                 gate_up, down = packed[expert]
-                y = down.matmul(gate_up.matmul(x[rows]))
-            elif packed:
-                gate_up, down = packed[expert]
-                y = down.matmul(self.activate(gate_up.matmul(x[rows])))
+                product = gate_up.matmul(x[rows])  # (with the SiLU epilogue, the activation already)
+                y = down.matmul(product if self.glu_epilogue else self.activate(product))
             else:
                 gate_up_bias, down_bias = self.gate_up_bias, self.down_bias
                 halves = F.linear(x[rows], self.gate_up[expert], None if gate_up_bias is None else gate_up_bias[expert])
