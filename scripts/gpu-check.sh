@@ -59,10 +59,11 @@ if [ "${GPU_CHECK_PART:-main}" = more ]; then
         2>&1 | tee "$out/pytest-more.log" | tail -15
     # Sliding windows on CUDA (7 December, CPU-checked only): the Triton kernel's WINDOW tiles and splits, the
     # windowed models against transformers on both backends (their CUDA graphs too), DistAttention's masked lent keys;
-    # and gpt-oss (its sinks merged with the compiled kernels' log-sum-exp, its experts, DistAttention with sinks).
+    # gpt-oss (its sinks merged with the compiled kernels' log-sum-exp, its experts, DistAttention with sinks); and the
+    # experts' two Triton launches (7 December, CPU-checked only: bfloat16, and a mixture's captured decode graphs).
     BOUNDLESS_TEST_DEVICE=cuda timeout 240 python3 -m pytest -p no:cacheprovider -q -rfE --tb=short --maxfail=5 \
-        -k "(window or gpt_oss or gpt-oss or sinks) and not smollm2" tests/attention/test_triton_paged.py \
-        tests/model/test_reference.py \
+        -k "(window or gpt_oss or gpt-oss or sinks or moe or mixture) and not smollm2" \
+        tests/attention/test_triton_paged.py tests/model/test_reference.py tests/model/test_fused_moe.py \
         tests/engine/test_dist_attention.py tests/engine/test_cuda_graphs.py 2>&1 | tee "$out/pytest-window.log" | tail -15
     exit
 fi

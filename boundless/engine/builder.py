@@ -321,9 +321,9 @@ def _build_model_executor(
     graphs = None
     graphed = (triton_paged.TritonPagedAttention, flex_paged.FlexPagedAttention)
     on_gpu = isinstance(attention, graphed) and loaded.device.type == "cuda"
-    # (A mixture of experts reads its routing back to the host each layer, which a graph cannot capture: eager. So
-    # does a tensor-parallel model: its other ranks run each step as rank 0 sends it.)
-    if on_gpu and not config.model.enforce_eager and not arch.num_experts and ranks is None:
+    # (A tensor-parallel model runs eagerly: its other ranks run each step as rank 0 sends it. A mixture of experts
+    # is captured: on this path its tokens are grouped on the device, SparseMoE.forward_fused.)
+    if on_gpu and not config.model.enforce_eager and ranks is None:
         assert isinstance(attention, graphed)  # (on_gpu says so)
         graphs = DecodeGraphs(
             loaded.model, kv_cache, attention, config.scheduler.max_num_seqs, layout.max_model_len, loaded.device
@@ -333,12 +333,11 @@ def _build_model_executor(
         why = (
             "--enforce-eager" if config.model.enforce_eager
             else "--tensor-parallel-size (run eagerly)" if on_gpu and ranks is not None
-            else "a mixture of experts (run eagerly)" if on_gpu
             else f"{type(attention).__name__} on {loaded.device.type}"
         )  # fmt: skip
         log.warning(
             "--async-scheduling has no effect here: it overlaps steps run on CUDA graphs (the triton or flex backend "
-            "on CUDA, without --enforce-eager, for models without experts); this engine has none: %s",
+            "on CUDA, without --enforce-eager, on one GPU); this engine has none: %s",
             why,
         )
     grammars = grammars or Grammars(loaded.tokenizer, arch.vocab_size)

@@ -448,7 +448,7 @@ class DecoderLayer(nn.Module):
         # hidden += o_proj(attn), and its norm, in one kernel.
         x = norm_post.fused(hidden, self._scaled(out))
         if self.moe is not None:
-            return hidden, self._summed(self.moe(x))
+            return hidden, self._summed(self.moe.forward_fused(x))
         assert self.gate_up_weight is not None and self.down_weight is not None
         gate_up = self.product("gate_up", x)
         if lora is not None:

@@ -13,8 +13,9 @@ their own (``ModelArch.swiglu_limit``); its checkpoints stack them transposed, `
 2 * intermediate] and ``down_proj`` [experts, intermediate, hidden], put in this layout as they load
 (:meth:`SparseMoE.as_loaded`).
 
-Choosing the experts reads the routing back to the host (which experts, how many tokens each), so a step with a
-sparse layer cannot be captured in a CUDA graph: the runner runs such models eagerly.
+Choosing the experts so reads the routing back to the host (which experts, how many tokens each): the CPU's path. The
+GPU's (:meth:`SparseMoE.forward_fused`) groups the tokens on the device and runs each product as one Triton launch
+over all experts (``model/fused_moe.py``), with no read back, so its decode steps are captured in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -147,6 +148,17 @@ class SparseMoE(nn.Module):
             out.index_add_(0, rows, y * picked[start : start + count, None])
             start += count
         return out
+
+    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` on the GPU path (and in Triton's interpreter): the experts' two products each one launch,
+        the tokens grouped on the device (``fused_moe.expert_products``)."""
+        from boundless.model import fused_moe, triton_ops
+
+        experts, weights = self.route(x)
+        activate = triton_ops.silu_mul if self.swiglu_limit is None else self.activate  # (one kernel for SiLU * up)
+        return fused_moe.expert_products(
+            x, experts, weights, self.gate_up, self.down, activate, self.gate_up_bias, self.down_bias
+        )
 
     def target(self, name: str) -> tuple[torch.Tensor, tuple[int, int] | None] | None:
         """Where a checkpoint tensor named ``name`` (below the layer's :attr:`block`) goes: (the parameter, or one

@@ -8,6 +8,7 @@ import gc
 import threading
 import time
 import weakref
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -157,6 +158,32 @@ def test_graph_buffers_give_the_eager_tokens(tiny_llama: LoadedModel) -> None:
     core.executor.runner.graphs.run = counting_run
     assert _greedy(core, prompts, max_tokens) == expected
     assert replays >= 10  # the decode steps went through the buffers
+
+
+# (~15 s in Triton's interpreter: slow on the CPU; on CUDA, the captured graphs of a mixture of experts.)
+@_SLOW_ON_THE_INTERPRETER
+def test_a_mixture_of_experts_through_the_graph_buffers_gives_the_eager_tokens(
+    load: Callable[[str], LoadedModel],
+) -> None:
+    """A mixture's decode steps through the buffers (its tokens grouped by expert on the device: SparseMoE's
+    forward_fused, the path a CUDA graph captures) give the eager PyTorch engine's tokens, as the batch shrinks."""
+    moe = load("tiny-qwen3-moe")
+    prompts = [[5 + i * 7 + j for j in range(3 + 9 * i)] for i in range(4)]
+    max_tokens = [9, 3, 6, 12]
+    expected = _greedy(_engine(moe, "torch", graphs=False), prompts, max_tokens)
+    core = _engine(moe, "triton", graphs=True)
+    graphs = core.executor.runner.graphs
+    replays = 0
+    original = graphs.run
+
+    def counting_run(*args, **kwargs):
+        nonlocal replays
+        replays += 1
+        return original(*args, **kwargs)
+
+    graphs.run = counting_run
+    assert _greedy(core, prompts, max_tokens) == expected
+    assert replays >= 8
 
 
 @pytest.mark.parametrize("window, ahead", [(1, False), (8, False), (8, True)])

@@ -1,0 +1,191 @@
+"""A mixture of experts' products in two Triton launches, with no read back to the host (vLLM's fused MoE design).
+
+:meth:`SparseMoE.forward` groups a step's tokens by expert on the host (it reads how many tokens each expert got) and
+runs two matmuls an expert: on a GPU that is a host synchronization and a few dozen launches a layer, and no CUDA
+graph can hold it. Here the grouping is made on the device, in tensors whose shapes depend only on the batch's size
+(:func:`group_by_expert`), and each product is one launch over all experts (:func:`expert_products`): a program takes
+``block_m`` rows that all chose one expert, reads that expert's weights and writes its rows' outputs in place. Rows
+are padded per expert to a multiple of ``block_m``; programs past the rows in use return at once, so the grid, too, is
+fixed by the batch's size, and a decode step with experts can be captured in a graph.
+
+Rounding follows transformers' experts: each product rounded to the model's type (with its bias, as ``nn.Linear``),
+the activation between them, the down product rounded before the routing weight scales it. The ``top_k`` outputs of a
+token are then summed (in fp32, rounded once, where transformers adds them one at a time into the model's type: the
+same to a rounding in bfloat16, to the summation's order in fp32).
+
+The kernels run on CUDA and, for the tests, in Triton's interpreter on the CPU (``TRITON_INTERPRET=1``); the CPU's
+own path stays the per-expert one (its native kernels).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton ships with PyTorch's CUDA builds and the test extra
+    triton = None
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """A step's routed rows (``slot = token * top_k + j``: the token's ``j``-th expert) grouped by expert, each
+    expert's group padded to a multiple of ``block_m`` rows, all on the device.
+
+    ``sorted_slots[r]``: the slot of row ``r`` (``num_slots`` on a padding row); ``block_experts[b]``: the expert of
+    rows ``[b * block_m, (b + 1) * block_m)`` (-1 past the rows in use); ``num_rows``: the rows in use, one int32."""
+
+    sorted_slots: torch.Tensor  # int32 [capacity]
+    block_experts: torch.Tensor  # int32 [capacity / block_m]
+    num_rows: torch.Tensor  # int32 [1]
+    block_m: int
+    num_slots: int
+
+
+def capacity(num_slots: int, num_experts: int, block_m: int) -> int:
+    """The rows that ``num_slots`` routed rows may take once padded, a multiple of ``block_m``: each expert pads at
+    most ``block_m - 1``, and with fewer slots than experts at most ``num_slots`` experts are chosen, each padded to at
+    most ``block_m`` rows a slot."""
+    rows = num_slots + num_experts * (block_m - 1)
+    if num_slots < num_experts:
+        rows = min(rows, num_slots * block_m)
+    return -(-rows // block_m) * block_m
+
+
+def group_by_expert(experts: torch.Tensor, num_experts: int, block_m: int) -> ExpertGroups:
+    """The rows of ``experts`` [tokens, top_k] (each token's chosen experts) grouped by expert, in the order of their
+    slots within an expert. Only device ops whose shapes the batch's size fixes (no ``bincount``, no ``nonzero``)."""
+    flat = experts.flatten().long()
+    n = flat.numel()
+    device = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)
+    chosen = flat[order]
+    # A slot's place: its expert's first padded row, plus its rank among the expert's slots.
+    first_slot = torch.cumsum(counts, 0) - counts
+    rows = (ends - padded)[chosen] + torch.arange(n, device=device) - first_slot[chosen]
+    size = capacity(n, num_experts, block_m)
+    sorted_slots = torch.full((size,), n, dtype=torch.int32, device=device)
+    sorted_slots[rows] = order.to(torch.int32)
+    block_starts = torch.arange(0, size, block_m, device=device)
+    # The expert whose padded rows hold the block's first (empty experts end where they start: never found).
+    block_experts = torch.searchsorted(ends, block_starts, right=True)
+    total = ends[-1:]
+    block_experts = torch.where(block_starts < total, block_experts, -1).to(torch.int32)
+    return ExpertGroups(sorted_slots, block_experts, total.to(torch.int32), block_m, n)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _expert_product_kernel(
+        out_ptr, a_ptr, w_ptr, bias_ptr, routing_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
+        n_cols, k_cols, num_slots, a_row_of_slot,
+        stride_am, stride_we, stride_wn, stride_wk, stride_be, stride_om,
+        HAS_BIAS: tl.constexpr, ROUTED: tl.constexpr, PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """Rows ``[pid_m * BLOCK_M, +BLOCK_M)`` of the grouped rows (one expert's) times columns
+        ``[pid_n * BLOCK_N, +BLOCK_N)`` of that expert's weight [n_cols, k_cols]; a row reads the input row
+        ``slot // a_row_of_slot`` and writes the output row ``slot``. With ROUTED the product, rounded to the output's
+        type, is scaled by the slot's routing weight."""
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+            return
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        slots = tl.load(sorted_ptr + rows).to(tl.int64)
+        valid = slots < num_slots
+        a_rows = slots // a_row_of_slot
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < n_cols
+        a_base = a_ptr + a_rows[:, None] * stride_am
+        w_base = w_ptr + expert * stride_we + cols[None, :] * stride_wn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, k_cols, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < k_cols
+            a = tl.load(a_base + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_base + ks[:, None] * stride_wk, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc += tl.dot(a, w, input_precision=PRECISION)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + expert * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        dt = out_ptr.dtype.element_ty
+        if ROUTED:
+            weight = tl.load(routing_ptr + slots, mask=valid, other=0.0).to(tl.float32)
+            acc = acc.to(dt).to(tl.float32) * weight[:, None]
+        out_mask = valid[:, None] & col_ok[None, :]
+        tl.store(out_ptr + slots[:, None] * stride_om + cols[None, :], acc.to(dt), mask=out_mask)
+
+
+def block_sizes(num_tokens: int, num_experts: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(block_m, block_n, block_k) for a step of ``num_tokens``, as vLLM's default configuration picks them: with
+    few tokens an expert, rows in 16s (most of a block would be padding otherwise); fp32 tiles half as deep."""
+    block_k = 32 if dtype == torch.float32 else 64
+    if num_tokens <= num_experts:
+        return 16, 32, block_k
+    return 64, 64, block_k
+
+
+def _product(
+    out: torch.Tensor,
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    groups: ExpertGroups,
+    a_row_of_slot: int,
+    routing: torch.Tensor | None,
+    block_n: int,
+    block_k: int,
+) -> None:
+    """``out[slot] = a[slot // a_row_of_slot] @ weight[expert].T (+ bias[expert])`` for every grouped slot, in one
+    launch; with ``routing``, the rounded product times the slot's routing weight."""
+    assert a.stride(-1) == 1 and out.stride(-1) == 1
+    n_cols, k_cols = weight.shape[1], weight.shape[2]
+    grid = (groups.block_experts.numel(), triton.cdiv(n_cols, block_n))
+    _expert_product_kernel[grid](
+        out, a, weight, weight if bias is None else bias, out if routing is None else routing,
+        groups.sorted_slots, groups.block_experts, groups.num_rows,
+        n_cols, k_cols, groups.num_slots, a_row_of_slot,
+        a.stride(0), weight.stride(0), weight.stride(1), weight.stride(2), 0 if bias is None else bias.stride(0),
+        out.stride(0),
+        HAS_BIAS=bias is not None, ROUTED=routing is not None,
+        PRECISION="ieee" if a.dtype == torch.float32 else None,
+        BLOCK_M=groups.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    )  # fmt: skip
+
+
+def expert_products(
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    activate: Callable[[torch.Tensor], torch.Tensor],
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The experts' weighted sum for each row of ``x`` [tokens, hidden]: ``experts`` [tokens, top_k] chosen with
+    ``weights`` (in ``x``'s type), ``gate_up`` [experts, 2 * inter, hidden] and ``down`` [experts, hidden, inter]
+    (with their biases [experts, out] or None), ``activate`` the gated activation of [rows, 2 * inter] rows."""
+    tokens, hidden = x.shape
+    top_k = experts.shape[1]
+    num_experts = gate_up.shape[0]
+    if tokens == 0:
+        return torch.zeros_like(x)
+    block_m, block_n, block_k = block_sizes(tokens, num_experts, x.dtype)
+    groups = group_by_expert(experts, num_experts, block_m)
+    x = x.contiguous()
+    products = torch.empty(tokens * top_k, gate_up.shape[1], dtype=x.dtype, device=x.device)
+    _product(products, x, gate_up, gate_up_bias, groups, top_k, None, block_n, block_k)
+    activated = activate(products).contiguous()
+    out = torch.empty(tokens * top_k, hidden, dtype=x.dtype, device=x.device)
+    _product(out, activated, down, down_bias, groups, 1, weights.reshape(-1).contiguous(), block_n, block_k)
+    return out.view(tokens, top_k, hidden).sum(dim=1)

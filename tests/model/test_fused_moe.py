@@ -1,0 +1,124 @@
+"""The GPU path's mixture of experts (``model/fused_moe.py``): the grouping made on the device, and the two launches
+against the per-expert path (``SparseMoE.forward``), in Triton's interpreter on the CPU (fp32 and fp16: the
+interpreter's bfloat16 products are wrong, so bfloat16 runs on CUDA only)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from boundless.model import fused_moe
+from boundless.model.arch import ModelArch
+from boundless.model.moe import SparseMoE
+
+try:
+    import triton
+except ImportError:  # pragma: no cover
+    triton = None
+
+DEVICE = torch.device(os.environ.get("BOUNDLESS_TEST_DEVICE", "cpu"))
+_TRITON_RUNS = triton is not None and (DEVICE.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+# Against the per-expert path: fp32 up to the sums' order; 16-bit types up to a rounding of the summed outputs.
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def _routing(tokens: int, top_k: int, num_experts: int, seed: int, skip: int = 0) -> torch.Tensor:
+    """Each token's ``top_k`` distinct experts, at random, none of the last ``skip`` experts (left empty)."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(tokens, num_experts - skip, generator=g)
+    return torch.topk(scores, top_k, dim=-1).indices
+
+
+@pytest.mark.parametrize(
+    ("tokens", "top_k", "num_experts", "block_m", "skip"),
+    [(1, 2, 8, 16, 0), (3, 4, 16, 16, 5), (40, 2, 8, 16, 0), (200, 4, 8, 64, 3), (7, 1, 4, 4, 1)],
+)
+def test_grouping_places_every_slot_once_under_its_expert(
+    tokens: int, top_k: int, num_experts: int, block_m: int, skip: int
+) -> None:
+    experts = _routing(tokens, top_k, num_experts, seed=tokens, skip=skip)
+    groups = fused_moe.group_by_expert(experts, num_experts, block_m)
+    n = tokens * top_k
+    slots = groups.sorted_slots.tolist()
+    rows = int(groups.num_rows.item())
+    assert len(slots) == fused_moe.capacity(n, num_experts, block_m) >= rows and len(slots) % block_m == 0
+    assert sorted(s for s in slots if s < n) == list(range(n))  # each slot once
+    assert all(s == n for s in slots[rows:])  # (past the rows in use: padding only)
+    flat = experts.flatten().tolist()
+    counts = [flat.count(e) for e in range(num_experts)]
+    assert rows == sum(-(-c // block_m) * block_m for c in counts)
+    for b, expert in enumerate(groups.block_experts.tolist()):
+        block = slots[b * block_m : (b + 1) * block_m]
+        if b * block_m >= rows:
+            assert expert == -1
+            continue
+        real = [s for s in block if s < n]
+        assert real and all(flat[s] == expert for s in real)  # (no block of padding alone, none of two experts)
+        assert real == sorted(real) and block[: len(real)] == real  # slots in order, the padding after them
+
+
+def test_grouping_has_no_shape_that_depends_on_the_routing() -> None:
+    """The grouping traces whole (no graph break: no read of a value back to the host, no shape that depends on the
+    routing), which is what lets a CUDA graph hold a decode step of a mixture."""
+    compiled = torch.compile(fused_moe.group_by_expert, fullgraph=True, backend="eager", dynamic=False)
+    experts = _routing(5, 2, 8, seed=0)
+    got, want = compiled(experts, 8, 16), fused_moe.group_by_expert(experts, 8, 16)
+    assert torch.equal(got.sorted_slots, want.sorted_slots)
+    assert torch.equal(got.block_experts, want.block_experts)
+    # (bincount, which the per-expert path reads, would break the graph: the check can fail.)
+    with pytest.raises((torch._dynamo.exc.Unsupported, RuntimeError)):
+        torch.compile(lambda e: torch.bincount(e.flatten()).tolist(), fullgraph=True, backend="eager")(experts)
+
+
+def _moe(kind: str, dtype: torch.dtype, seed: int, norm_topk_prob: bool = True) -> SparseMoE:
+    arch = ModelArch(
+        model_type=kind, vocab_size=64, hidden_size=48, intermediate_size=64, num_layers=1, num_heads=4,
+        num_kv_heads=2, head_dim=12, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256,
+        tie_word_embeddings=True, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=40,
+        norm_topk_prob=norm_topk_prob, sparse_layers=(0,),
+    )  # fmt: skip
+    if kind == "gpt_oss":  # biased router and experts, the clamped SwiGLU (a limit the products reach)
+        arch = dataclasses.replace(arch, swiglu_limit=0.5, swiglu_alpha=1.702, num_experts=6)
+    moe = SparseMoE(arch)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return moe.to(DEVICE, dtype)
+
+
+@pytest.mark.skipif(not _TRITON_RUNS, reason="triton unavailable")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("tokens", [0, 1, 5, 70])  # (none; a decode; few tokens an expert: rows in 16s; in 64s)
+def test_the_two_launches_give_the_per_expert_sums(kind: str, dtype: torch.dtype, tokens: int) -> None:
+    moe = _moe(kind, dtype, seed=tokens)
+    x = torch.randn(tokens, 48, generator=torch.Generator().manual_seed(tokens + 1)).to(DEVICE, dtype)
+    with torch.no_grad():
+        want = moe(x)
+        got = moe.forward_fused(x)
+    assert got.shape == want.shape and got.dtype == dtype
+    if tokens:
+        assert want.abs().max() > 0.5  # (the experts' outputs count)
+        tolerance = TOLERANCE[dtype]
+        torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+    if kind == "gpt_oss" and tokens == 70:  # the clamp acts: with it lifted the sums differ
+        moe.swiglu_limit = 1e4
+        with torch.no_grad():
+            assert not torch.allclose(moe.forward_fused(x), want, atol=1e-2)
+
+
+@pytest.mark.skipif(not _TRITON_RUNS, reason="triton unavailable")
+def test_a_row_gets_the_same_sum_alone_or_in_a_batch() -> None:
+    """A row's experts' sum is its own whatever rows share the step (the grid and the blocks change with the batch;
+    the products' order of summation may, by a rounding)."""
+    moe = _moe("qwen3_moe", torch.float32, seed=3)
+    x = torch.randn(33, 48, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    with torch.no_grad():
+        batch = moe.forward_fused(x)
+        for row in (0, 17, 32):
+            torch.testing.assert_close(moe.forward_fused(x[row : row + 1]), batch[row : row + 1], rtol=0, atol=1e-5)
