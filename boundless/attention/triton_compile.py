@@ -1,7 +1,8 @@
-"""Compile the Triton kernels (attention, the layers' fused ops, a device window's next inputs) for a GPU target
-without a GPU (``python -m boundless.attention.triton_compile``): what the device would compile at the first step,
-checked ahead, with the shared memory each variant takes. The tests run it, so a kernel the interpreter accepts but
-the compiler refuses (a global that is not constexpr, a shape a dot cannot take) fails on the CPU too."""
+"""Compile the Triton kernels (attention, the layers' fused ops, a mixture's experts, a device window's next inputs)
+for a GPU target without a GPU (``python -m boundless.attention.triton_compile``): what the device would compile at
+the first step, checked ahead, with the shared memory each variant takes. The tests run it, so a kernel the
+interpreter accepts but the compiler refuses (a global that is not constexpr, a shape a dot cannot take) fails on the
+CPU too."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from triton.compiler import ASTSource
 
 from boundless.attention import triton_kernels as kernels
 from boundless.engine import window_inputs
-from boundless.model import fp8_linear, triton_ops
+from boundless.model import fp8_linear, fused_moe, triton_ops
 
 _ATTENTION_ARGS = {
     "lse_ptr": "*fp32", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_ptr": "*i32",
@@ -111,6 +112,33 @@ def fp8_linear_jobs() -> list[CompileJob]:
     ]  # fmt: skip
 
 
+def fused_moe_jobs() -> list[CompileJob]:
+    """A mixture's experts on the GPU path (``model/fused_moe.py``): a decode's tiles (few rows an expert) and a
+    prefill's, with the biases and the routing weight, in bf16 and fp32, and gpt-oss's experts read as MXFP4."""
+    jobs = []
+    for name, weight, dtype, (block_m, block_n, block_k), bias, routed in (
+        ("bf16/decode", "bf16", "bf16", (16, 32, 64), False, False),
+        ("bf16/prefill-bias-routed", "bf16", "bf16", (64, 64, 64), True, True),
+        ("fp32/decode", "fp32", "fp32", (16, 32, 32), False, True),
+        ("mxfp4-bf16/decode-bias", "u8", "bf16", (16, 32, 64), True, False),
+        ("mxfp4-bf16/prefill-bias-routed", "u8", "bf16", (64, 64, 64), True, True),
+    ):
+        ptr = f"*{dtype}"
+        types = dict(
+            out_ptr=ptr, a_ptr=ptr, w_ptr=f"*{weight}", scale_ptr=f"*{weight}", bias_ptr=ptr, routing_ptr=ptr,
+            sorted_ptr="*i32", block_expert_ptr="*i32", num_rows_ptr="*i32", n_cols="i32", k_cols="i32",
+            num_slots="i32", a_row_of_slot="i32", stride_am="i32", stride_we="i32", stride_wn="i32", stride_wk="i32",
+            stride_se="i32", stride_sn="i32", stride_be="i32", stride_om="i32",
+        )  # fmt: skip
+        consts = dict(
+            HAS_BIAS=bias, ROUTED=routed, MXFP4=weight == "u8", PRECISION="ieee" if dtype == "fp32" else None,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        )  # fmt: skip
+        kernel = (fused_moe.__name__, "_expert_product_kernel")
+        jobs.append(CompileJob(f"fused_moe/{name}", kernel, types, consts, 4, 3))
+    return jobs
+
+
 def compile_jobs() -> list[CompileJob]:
     """The variants a Llama-shaped model takes (GQA group 4, head size 64 and 128) in bf16 and fp32, and over an fp8
     cache."""
@@ -188,7 +216,7 @@ def compile_jobs() -> list[CompileJob]:
             dict(PAGE=16, BLOCK=256), 4, 1,
         )
     )  # fmt: skip
-    return jobs + fp8_cache_jobs() + fp8_linear_jobs()
+    return jobs + fp8_cache_jobs() + fp8_linear_jobs() + fused_moe_jobs()
 
 
 def compile_all(capability: int = 90, workers: int | None = None) -> dict[str, int]:

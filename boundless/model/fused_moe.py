@@ -13,6 +13,9 @@ the activation between them, the down product rounded before the routing weight 
 token are then summed (in fp32, rounded once, where transformers adds them one at a time into the model's type: the
 same to a rounding in bfloat16, to the summation's order in fp32).
 
+gpt-oss's experts may come as their checkpoint's MXFP4 blocks and scales (``Mxfp4Stack``): the kernel then reads a
+quarter of bfloat16's bytes and dequantizes each tile in registers (vLLM reads them with its own MXFP4 kernels).
+
 The kernels run on CUDA and, for the tests, in Triton's interpreter on the CPU (``TRITON_INTERPRET=1``); the CPU's
 own path stays the per-expert one (its native kernels).
 """
@@ -23,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from boundless.model.mxfp4 import Mxfp4Stack
 
 try:
     import triton
@@ -84,17 +89,32 @@ def group_by_expert(experts: torch.Tensor, num_experts: int, block_m: int) -> Ex
 if triton is not None:
 
     @triton.jit
+    def _e2m1(nibble):
+        """FP4 (e2m1) values of 4-bit codes: sign, two exponent bits, one mantissa bit (0, 0.5, 1, 1.5, 2, 3, 4, 6)."""
+        code = nibble.to(tl.int32)
+        exponent = (code >> 1) & 3
+        mantissa = (code & 1).to(tl.float32)
+        normal = (1.0 + 0.5 * mantissa) * (1 << exponent).to(tl.float32) * 0.5
+        magnitude = tl.where(exponent == 0, 0.5 * mantissa, normal)
+        return tl.where((code & 8) != 0, -magnitude, magnitude)
+
+    @triton.jit
     def _expert_product_kernel(
-        out_ptr, a_ptr, w_ptr, bias_ptr, routing_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
+        out_ptr, a_ptr, w_ptr, scale_ptr, bias_ptr, routing_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
         n_cols, k_cols, num_slots, a_row_of_slot,
-        stride_am, stride_we, stride_wn, stride_wk, stride_be, stride_om,
-        HAS_BIAS: tl.constexpr, ROUTED: tl.constexpr, PRECISION: tl.constexpr,
+        stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_om,
+        HAS_BIAS: tl.constexpr, ROUTED: tl.constexpr, MXFP4: tl.constexpr, PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         """Rows ``[pid_m * BLOCK_M, +BLOCK_M)`` of the grouped rows (one expert's) times columns
         ``[pid_n * BLOCK_N, +BLOCK_N)`` of that expert's weight [n_cols, k_cols]; a row reads the input row
         ``slot // a_row_of_slot`` and writes the output row ``slot``. With ROUTED the product, rounded to the output's
-        type, is scaled by the slot's routing weight."""
+        type, is scaled by the slot's routing weight.
+
+        With MXFP4 the weight is its blocks (bytes [n_cols, k_cols / 2]: input ``2i`` the low nibble of byte ``i``,
+        ``2i + 1`` its high one) and scales ([n_cols, k_cols / 32], an exponent biased by 127): a tile's bytes are
+        dequantized in registers (exactly: the scale is made from its bits) and the even and odd inputs multiplied
+        apart, so the values are never interleaved. BLOCK_K is then a multiple of 32."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
@@ -109,12 +129,29 @@ if triton is not None:
         a_base = a_ptr + a_rows[:, None] * stride_am
         w_base = w_ptr + expert * stride_we + cols[None, :] * stride_wn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, k_cols, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < k_cols
-            a = tl.load(a_base + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_base + ks[:, None] * stride_wk, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            acc += tl.dot(a, w, input_precision=PRECISION)
+        if MXFP4:
+            s_base = scale_ptr + expert * stride_se + cols[None, :] * stride_sn
+            for k0 in range(0, k_cols, BLOCK_K):
+                byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+                b_ok = byte < k_cols // 2
+                w_mask = b_ok[:, None] & col_ok[None, :]
+                packed = tl.load(w_base + byte[:, None] * stride_wk, mask=w_mask, other=0)
+                exponent = tl.load(s_base + byte[:, None] // 16, mask=w_mask, other=127)
+                scale = (exponent.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2 ** (exponent - 127)
+                a_mask = valid[:, None] & b_ok[None, :]
+                even = tl.load(a_base + 2 * byte[None, :], mask=a_mask, other=0.0)
+                odd = tl.load(a_base + 2 * byte[None, :] + 1, mask=a_mask, other=0.0)
+                low = (_e2m1(packed & 15) * scale).to(even.dtype)
+                high = (_e2m1(packed >> 4) * scale).to(even.dtype)
+                acc += tl.dot(even, low, input_precision=PRECISION)
+                acc += tl.dot(odd, high, input_precision=PRECISION)
+        else:
+            for k0 in range(0, k_cols, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                k_ok = ks < k_cols
+                a = tl.load(a_base + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_base + ks[:, None] * stride_wk, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                acc += tl.dot(a, w, input_precision=PRECISION)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + expert * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         dt = out_ptr.dtype.element_ty
@@ -137,7 +174,7 @@ def block_sizes(num_tokens: int, num_experts: int, dtype: torch.dtype) -> tuple[
 def _product(
     out: torch.Tensor,
     a: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | Mxfp4Stack,
     bias: torch.Tensor | None,
     groups: ExpertGroups,
     a_row_of_slot: int,
@@ -148,15 +185,21 @@ def _product(
     """``out[slot] = a[slot // a_row_of_slot] @ weight[expert].T (+ bias[expert])`` for every grouped slot, in one
     launch; with ``routing``, the rounded product times the slot's routing weight."""
     assert a.stride(-1) == 1 and out.stride(-1) == 1
-    n_cols, k_cols = weight.shape[1], weight.shape[2]
+    _, n_cols, k_cols = weight.shape
+    if isinstance(weight, Mxfp4Stack):
+        w, scales = weight.blocks.flatten(-2), weight.scales  # (bytes [experts, out, in / 2])
+        assert w.stride(-1) == 1 and scales.stride(-1) == 1 and block_k % 32 == 0
+        scale_strides = (scales.stride(0), scales.stride(1))
+    else:
+        w, scales, scale_strides = weight, weight, (0, 0)
     grid = (groups.block_experts.numel(), triton.cdiv(n_cols, block_n))
     _expert_product_kernel[grid](
-        out, a, weight, weight if bias is None else bias, out if routing is None else routing,
+        out, a, w, scales, w if bias is None else bias, out if routing is None else routing,
         groups.sorted_slots, groups.block_experts, groups.num_rows,
         n_cols, k_cols, groups.num_slots, a_row_of_slot,
-        a.stride(0), weight.stride(0), weight.stride(1), weight.stride(2), 0 if bias is None else bias.stride(0),
+        a.stride(0), w.stride(0), w.stride(1), w.stride(2), *scale_strides, 0 if bias is None else bias.stride(0),
         out.stride(0),
-        HAS_BIAS=bias is not None, ROUTED=routing is not None,
+        HAS_BIAS=bias is not None, ROUTED=routing is not None, MXFP4=isinstance(weight, Mxfp4Stack),
         PRECISION="ieee" if a.dtype == torch.float32 else None,
         BLOCK_M=groups.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )  # fmt: skip
@@ -166,15 +209,16 @@ def expert_products(
     x: torch.Tensor,
     experts: torch.Tensor,
     weights: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
+    gate_up: torch.Tensor | Mxfp4Stack,
+    down: torch.Tensor | Mxfp4Stack,
     activate: Callable[[torch.Tensor], torch.Tensor],
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The experts' weighted sum for each row of ``x`` [tokens, hidden]: ``experts`` [tokens, top_k] chosen with
     ``weights`` (in ``x``'s type), ``gate_up`` [experts, 2 * inter, hidden] and ``down`` [experts, hidden, inter]
-    (with their biases [experts, out] or None), ``activate`` the gated activation of [rows, 2 * inter] rows."""
+    (each in ``x``'s type or MXFP4; with their biases [experts, out] or None), ``activate`` the gated activation of
+    [rows, 2 * inter] rows."""
     tokens, hidden = x.shape
     top_k = experts.shape[1]
     num_experts = gate_up.shape[0]

@@ -825,6 +825,13 @@ class LlamaModel(nn.Module):
 
     # -- weights -----------------------------------------------------------------------------
 
+    def hold_experts_in_mxfp4(self) -> None:
+        """Every sparse layer's experts held as MXFP4 blocks and scales (``SparseMoE.hold_mxfp4``): before loading an
+        MXFP4 checkpoint's own tensors."""
+        for layer in self.layers:
+            if layer.moe is not None:
+                layer.moe.hold_mxfp4()
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors, fusing q/k/v and gate/up as they arrive."""
         arch = self.arch

@@ -20,6 +20,7 @@ from boundless.model.arch import FLOAT16_UNSTABLE, NOT_TEXT_PREFIXES, ModelArch,
 from boundless.model.classifier import SCORE_WEIGHT, ScoreWeight, classifier_spec, head_from_tokens
 from boundless.model.fp8_linear import check_quantization
 from boundless.model.llama import LlamaModel
+from boundless.model.mxfp4 import Mxfp4Checkpoint
 from boundless.model.pooling import EmbeddingPooling, read_pooling
 from boundless.model.quantized_checkpoint import QuantizedCheckpoint
 from boundless.model.tensor_parallel import (
@@ -140,6 +141,19 @@ def _gguf_weights(weights: Iterator[tuple[str, torch.Tensor]], path: Path) -> It
         yield from weights
     except _UNREADABLE_GGUF as e:
         raise ConfigError(f"--model {path}: not a GGUF file this reads ({type(e).__name__}: {e})") from None
+
+
+def holds_mxfp4(asked: bool | None, is_mxfp4: bool, device: torch.device, ranks: int) -> bool:
+    """Whether an (``is_mxfp4``) checkpoint's experts are held in MXFP4 (``load_model``'s ``experts_in_mxfp4``): as
+    ``asked``, or by default where the fused experts' kernels read them (CUDA with Triton, one rank: a rank's share of
+    the blocks is not cut). Asked of a checkpoint that is not MXFP4, or over ranks, it is refused."""
+    if asked is None:
+        return is_mxfp4 and device.type == "cuda" and ranks == 1 and importlib.util.find_spec("triton") is not None
+    if asked and not is_mxfp4:
+        raise ConfigError("experts are held in MXFP4 only from an MXFP4 checkpoint (gpt-oss's)")
+    if asked and ranks > 1:
+        raise ConfigError("experts held in MXFP4 are not split over tensor-parallel ranks (they load dequantized)")
+    return asked
 
 
 def check_fits(model: torch.nn.Module, free_bytes: int, device: str) -> None:
@@ -348,6 +362,7 @@ def load_model(
     hf_overrides: Mapping[str, Any] | None = None,
     quantization: str | None = None,
     tensor_parallel: TensorParallel = ONE_DEVICE,
+    experts_in_mxfp4: bool | None = None,
 ) -> LoadedModel:
     """Load a bundled model, a Hugging Face directory or a GGUF file onto ``device`` in ``dtype``.
 
@@ -358,7 +373,9 @@ def load_model(
     (:func:`hf_config`). ``quantization`` (``--quantization``): ``fp8`` holds the layers' matrices in e4m3
     (:mod:`boundless.model.fp8_linear`). ``tensor_parallel``: the rank of a model split over several devices whose
     network this is (:mod:`boundless.model.tensor_parallel`): its ``arch`` is the rank's share, ``full_arch`` the
-    model's."""
+    model's. ``experts_in_mxfp4``: hold an MXFP4 checkpoint's experts (gpt-oss's) as its blocks and scales
+    (``SparseMoE.hold_mxfp4``) rather than dequantized; None: where the GPU path's kernels read them (on CUDA, with
+    Triton, one rank)."""
     path = resolve_model_path(name)
     check_overrides(path, hf_overrides)
     dev = torch.device(device)
@@ -366,6 +383,7 @@ def load_model(
     torch_dtype = model_dtype(dtype, path, dev)
     check_quantization(quantization, dev, torch_dtype)
     parts_read = False  # (the tensors are the rank's parts already)
+    held_mxfp4 = False  # (an MXFP4 checkpoint's experts held as its blocks and scales)
     generates = True
     spec, score = None, ScoreWeight()  # a classifier's, and its checkpoint's head (model/classifier.py)
     config_json: dict[str, Any] | None = None  # a directory's config.json, with the overrides (read once here)
@@ -398,7 +416,8 @@ def load_model(
             parts_read = True
         else:
             tensors = _safetensors_weights(path)
-        if quantized is not None:
+        held_mxfp4 = holds_mxfp4(experts_in_mxfp4, isinstance(quantized, Mxfp4Checkpoint), dev, tensor_parallel.size)
+        if quantized is not None and not held_mxfp4:
             tensors = quantized.dequantized(tensors)
         spec = classifier_spec(config_json)
         if spec is not None and spec.from_tokens is None:
@@ -412,6 +431,8 @@ def load_model(
     with torch.device("meta"):
         model = LlamaModel(arch, vocab_rows(full_arch, tensor_parallel.size))
     model = model.to(torch_dtype)
+    if held_mxfp4:
+        model.hold_experts_in_mxfp4()
     if dev.type == "cuda":
         check_fits(model, torch.cuda.mem_get_info(dev)[0], str(dev))
     model = model.to_empty(device=dev)  # allocated once, in the target dtype

@@ -28,9 +28,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from boundless.model.arch import ModelArch
+from boundless.model.mxfp4 import Mxfp4Stack
 
 if TYPE_CHECKING:
     from boundless.model.cpu_kernels import PackedWeight
+
+
+# gpt-oss's expert tensors that load in another layout (SparseMoE.as_loaded), by their dimensions.
+_GPT_OSS_DIMS = {
+    "experts.gate_up_proj": 3, "experts.gate_up_proj_bias": 2, "experts.down_proj": 3,
+    "experts.gate_up_proj_blocks": 4, "experts.gate_up_proj_scales": 3,
+}  # fmt: skip
+
+
+# gpt-oss's MXFP4 tensors by their checkpoint's names (below the block), and the parameters that hold them
+# (SparseMoE.hold_mxfp4).
+_MXFP4_PARAMETERS = {
+    f"experts.{stack}_proj_{part}": f"{stack}_{part}" for stack in ("gate_up", "down") for part in ("blocks", "scales")
+}
 
 
 class SparseMoE(nn.Module):
@@ -62,6 +77,9 @@ class SparseMoE(nn.Module):
         self.packed_router: PackedWeight | None = None
         self.gate_up = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
         self.down = nn.Parameter(torch.empty(experts, hidden, inter))
+        # gpt-oss's experts held as its checkpoints hold them (hold_mxfp4): parameters gate_up_blocks, gate_up_scales,
+        # down_blocks and down_scales in place of gate_up and down.
+        self.held_mxfp4 = False
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts [tokens, top_k] and their weights, as transformers' router computes them: a softmax
@@ -76,6 +94,37 @@ class SparseMoE(nn.Module):
         if self.norm_topk_prob:
             weights /= weights.sum(dim=-1, keepdim=True)
         return experts, weights.to(x.dtype)
+
+    def hold_mxfp4(self) -> None:
+        """Hold the experts' two stacks as MXFP4 blocks and scales (uint8 ``[experts, out, in / 32, 16]`` and
+        ``[experts, out, in / 32]``, gpt-oss's checkpoint's own, gate and up rows put apart as they load): a quarter of
+        bfloat16's bytes, read by the GPU path's kernels as they are (``fused_moe``), dequantized an expert at a time
+        on the others. Made on the meta device, before the weights are allocated and loaded."""
+        if self.gate_up_bias is None:
+            raise ValueError("only gpt-oss's experts are held in MXFP4")
+        for name in ("gate_up", "down"):
+            weight = getattr(self, name)
+            experts, rows, cols = weight.shape
+            if cols % 32:
+                raise ValueError(f"MXFP4 blocks hold 32 values: the experts' {cols} inputs are not a multiple of 32")
+            for part, shape in (("blocks", (experts, rows, cols // 32, 16)), ("scales", (experts, rows, cols // 32))):
+                param = nn.Parameter(torch.empty(shape, dtype=torch.uint8, device=weight.device), requires_grad=False)
+                self.register_parameter(f"{name}_{part}", param)
+            self.register_parameter(name, None)
+        self.held_mxfp4 = True
+
+    def mxfp4_stack(self, name: str) -> Mxfp4Stack:
+        """The stack ``name`` (``gate_up`` or ``down``) as held in MXFP4 (:meth:`hold_mxfp4`). (Looked up each time:
+        moving the module, as ``to_empty`` does, replaces its parameters.)"""
+        return Mxfp4Stack(getattr(self, f"{name}_blocks"), getattr(self, f"{name}_scales"))
+
+    def expert(self, index: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert ``index``'s gate/up [2 * inter, hidden] and down [hidden, inter] (dequantized into ``dtype`` when
+        held in MXFP4)."""
+        if not self.held_mxfp4:
+            return self.gate_up[index], self.down[index]
+        gate_up, down = self.mxfp4_stack("gate_up"), self.mxfp4_stack("down")
+        return gate_up.dequantized(index, dtype), down.dequantized(index, dtype)
 
     def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The gated activation of an expert's gate and up halves side by side: ``SiLU(gate) * up``, or gpt-oss's
@@ -98,9 +147,9 @@ class SparseMoE(nn.Module):
         """The floats :meth:`pack` takes for every expert."""
         from boundless.model.cpu_kernels import PackedWeight
 
-        glu = self.glu_epilogue
-        each = PackedWeight.packed_size(self.gate_up.shape[1:], glu) + PackedWeight.packed_size(self.down.shape[1:])
-        return self.gate_up.shape[0] * each
+        glu, hidden = self.glu_epilogue, self.router.shape[1]
+        each = PackedWeight.packed_size((2 * self.inter, hidden), glu) + PackedWeight.packed_size((hidden, self.inter))
+        return self.router.shape[0] * each
 
     def pack(
         self, storage: Callable[[torch.Tensor, bool], torch.Tensor] | None = None
@@ -114,13 +163,14 @@ class SparseMoE(nn.Module):
 
         self.packed_router = PackedWeight(self.router, self.router_bias)
         gate_up_bias, down_bias = self.gate_up_bias, self.down_bias
-        return [
-            (
+        packed_experts = []
+        for e in range(self.router.shape[0]):
+            gate_up, down = self.expert(e, self.router.dtype)
+            packed_experts.append((
                 packed(gate_up, None if gate_up_bias is None else gate_up_bias[e], self.glu_epilogue),
                 packed(down, None if down_bias is None else down_bias[e]),
-            )
-            for e, (gate_up, down) in enumerate(zip(self.gate_up, self.down, strict=True))
-        ]
+            ))  # fmt: skip
+        return packed_experts
 
     def forward(self, x: torch.Tensor, packed: Sequence[tuple[PackedWeight, PackedWeight]] = ()) -> torch.Tensor:
         """The experts' weighted sum for each row of ``x`` [tokens, hidden]. ``packed``: each expert's gate/up and
@@ -143,8 +193,9 @@ class SparseMoE(nn.Module):
                 y = down.matmul(product if self.glu_epilogue else self.activate(product))
             else:
                 gate_up_bias, down_bias = self.gate_up_bias, self.down_bias
-                halves = F.linear(x[rows], self.gate_up[expert], None if gate_up_bias is None else gate_up_bias[expert])
-                y = F.linear(self.activate(halves), self.down[expert], None if down_bias is None else down_bias[expert])
+                gate_up_weight, down_weight = self.expert(expert, x.dtype)
+                halves = F.linear(x[rows], gate_up_weight, None if gate_up_bias is None else gate_up_bias[expert])
+                y = F.linear(self.activate(halves), down_weight, None if down_bias is None else down_bias[expert])
             out.index_add_(0, rows, y * picked[start : start + count, None])
             start += count
         return out
@@ -156,9 +207,11 @@ class SparseMoE(nn.Module):
 
         experts, weights = self.route(x)
         activate = triton_ops.silu_mul if self.swiglu_limit is None else self.activate  # (one kernel for SiLU * up)
-        return fused_moe.expert_products(
-            x, experts, weights, self.gate_up, self.down, activate, self.gate_up_bias, self.down_bias
-        )
+        held = self.held_mxfp4
+        gate_up: torch.Tensor | Mxfp4Stack = self.mxfp4_stack("gate_up") if held else self.gate_up
+        down: torch.Tensor | Mxfp4Stack = self.mxfp4_stack("down") if held else self.down
+        biases = self.gate_up_bias, self.down_bias
+        return fused_moe.expert_products(x, experts, weights, gate_up, down, activate, *biases)
 
     def target(self, name: str) -> tuple[torch.Tensor, tuple[int, int] | None] | None:
         """Where a checkpoint tensor named ``name`` (below the layer's :attr:`block`) goes: (the parameter, or one
@@ -174,6 +227,9 @@ class SparseMoE(nn.Module):
             return (self.router if name == "router.weight" else biases[name]), None  # type: ignore[return-value]
         if parts[:1] != ["experts"]:
             return None
+        if self.held_mxfp4:  # (gpt-oss's MXFP4 blocks and scales, held as they are)
+            held = _MXFP4_PARAMETERS.get(name)
+            return None if held is None else (getattr(self, held), None)
         if parts[1:] == ["gate_up_proj"]:  # transformers 5's stacked form
             return self.gate_up, None
         if parts[1:] == ["down_proj"]:
@@ -191,16 +247,15 @@ class SparseMoE(nn.Module):
 
     def as_loaded(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A checkpoint tensor named ``name`` (below the block) in this layout: gpt-oss's stacked experts transposed,
-        their gate and up columns (and biases) de-interleaved (gate the even ones, up the odd ones, as
-        transformers' GptOssExperts reads them) into gate's half then up's; any other as it is."""
-        if self.gate_up_bias is None or tensor.dim() != (2 if name.endswith("_bias") else 3):
+        their gate and up columns (and biases, and the rows of MXFP4 blocks and scales) de-interleaved (gate the even
+        ones, up the odd ones, as transformers' GptOssExperts reads them) into gate's half then up's; any other as it
+        is (as is one of another shape: the caller refuses it)."""
+        if self.gate_up_bias is None or tensor.dim() != _GPT_OSS_DIMS.get(name):
             return tensor
-        if name in ("experts.gate_up_proj", "experts.gate_up_proj_bias"):
-            halves = tensor if name.endswith("_bias") else tensor.transpose(1, 2)
-            return torch.cat([halves[:, 0::2], halves[:, 1::2]], dim=1)
         if name == "experts.down_proj":
             return tensor.transpose(1, 2)
-        return tensor
+        interleaved = tensor.transpose(1, 2) if name == "experts.gate_up_proj" else tensor  # (along dimension 1)
+        return torch.cat([interleaved[:, 0::2], interleaved[:, 1::2]], dim=1)
 
     def loaded_names(self, name: str) -> list[str]:
         """The per-expert names (:meth:`expected_names`') a tensor :meth:`target` placed stands for: a stacked
@@ -217,7 +272,9 @@ class SparseMoE(nn.Module):
     def expected_names(self) -> list[str]:
         """The per-expert names a checkpoint holds this block's weights under, below the layer's :attr:`block`."""
         if self.router_bias is not None:
-            stacked = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+            stacked: tuple[str, ...] = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+            if self.held_mxfp4:
+                stacked = (*(name.removeprefix("experts.") for name in _MXFP4_PARAMETERS), *stacked[1::2])
             return ["router.weight", "router.bias", *(f"experts.{n}" for n in stacked)]
         names = ["gate.weight"]
         for e in range(self.router.shape[0]):

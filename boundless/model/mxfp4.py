@@ -6,13 +6,15 @@ e2m1 values a byte, the low nibble first) and ``W_scales`` (uint8 [experts, out,
 by 127); everything else (attention, the router, embeddings, the head) is unquantized. Each pair becomes the tensor
 ``W`` as transformers' dequantization gives it, [experts, in, out], so the model loads such a checkpoint and a
 dequantized one alike. The values are exact in bfloat16 (two significant bits times a power of two), which holds them
-at half fp32's memory; the experts are then held dequantized in the model's type, as vLLM's unquantized fallback
-does (no MXFP4 matmul kernel here).
+at half fp32's memory. On the GPU path the experts are held as the blocks and scales themselves
+(``SparseMoE.hold_mxfp4``, a quarter of bfloat16's bytes), which the fused experts' kernel reads and dequantizes tile
+by tile (``model/fused_moe.py``); elsewhere they are held dequantized in the model's type.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -32,6 +34,24 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     values = torch.stack([table[(blocks & 0x0F).int()], table[(blocks >> 4).int()]], dim=-1).flatten(-2)
     values = torch.ldexp(values, (scales.to(torch.int32) - 127).unsqueeze(-1).to(dtype))
     return values.flatten(-2)
+
+
+@dataclass(frozen=True)
+class Mxfp4Stack:
+    """A stack of matrices [experts, out, in] held in MXFP4: ``blocks`` uint8 [experts, out, in / 32, 16] and
+    ``scales`` uint8 [experts, out, in / 32]."""
+
+    blocks: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        experts, out, groups = self.scales.shape
+        return experts, out, groups * 32
+
+    def dequantized(self, index: int, dtype: torch.dtype) -> torch.Tensor:
+        """Matrix ``index`` of the stack [out, in] in ``dtype``."""
+        return dequantize_mxfp4(self.blocks[index], self.scales[index], dtype)
 
 
 class Mxfp4Checkpoint:

@@ -13,6 +13,7 @@ import torch
 from boundless.model import fused_moe
 from boundless.model.arch import ModelArch
 from boundless.model.moe import SparseMoE
+from boundless.model.mxfp4 import Mxfp4Stack, dequantize_mxfp4
 
 try:
     import triton
@@ -122,3 +123,38 @@ def test_a_row_gets_the_same_sum_alone_or_in_a_batch() -> None:
         batch = moe.forward_fused(x)
         for row in (0, 17, 32):
             torch.testing.assert_close(moe.forward_fused(x[row : row + 1]), batch[row : row + 1], rtol=0, atol=1e-5)
+
+
+def _mxfp4_stack(experts: int, rows: int, cols: int, g: torch.Generator) -> Mxfp4Stack:
+    blocks = torch.randint(0, 256, (experts, rows, cols // 32, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(127 - 6, 127 + 1, (experts, rows, cols // 32), generator=g, dtype=torch.uint8)
+    return Mxfp4Stack(blocks.to(DEVICE), scales.to(DEVICE))
+
+
+@pytest.mark.skipif(not _TRITON_RUNS, reason="triton unavailable")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_mxfp4_experts_give_the_sums_of_their_dequantized_weights(dtype: torch.dtype, tokens: int) -> None:
+    """Experts held as MXFP4 blocks and scales (every one of the 16 codes, scales 2**-6 to 2**1), dequantized tile by
+    tile in the kernel: the sums of the same experts dequantized first (transformers' dequantization), which differ
+    with the low and high nibbles swapped."""
+    g = torch.Generator().manual_seed(tokens)
+    num_experts, hidden, inter, top_k = 4, 96, 64, 2
+    gate_up, down = _mxfp4_stack(num_experts, 2 * inter, hidden, g), _mxfp4_stack(num_experts, hidden, inter, g)
+
+    def dense(stack: Mxfp4Stack) -> torch.Tensor:
+        return dequantize_mxfp4(stack.blocks, stack.scales, torch.float32).to(dtype)
+
+    x = torch.randn(tokens, hidden, generator=g).to(DEVICE, dtype)
+    experts = _routing(tokens, top_k, num_experts, seed=tokens).to(DEVICE)
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=g), -1).to(DEVICE, dtype)
+    moe = _moe("qwen3_moe", dtype, seed=0)
+
+    def products(up: torch.Tensor | Mxfp4Stack, dn: torch.Tensor | Mxfp4Stack) -> torch.Tensor:
+        return fused_moe.expert_products(x, experts, weights, up, dn, moe.activate)
+
+    want = products(dense(gate_up), dense(down))
+    tolerance = TOLERANCE[dtype] * want.abs().max().item()
+    torch.testing.assert_close(products(gate_up, down), want, rtol=0, atol=tolerance)
+    swapped = Mxfp4Stack((gate_up.blocks >> 4) | (gate_up.blocks << 4), gate_up.scales)
+    assert not torch.allclose(products(swapped, down), want, rtol=0, atol=tolerance)

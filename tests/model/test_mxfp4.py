@@ -46,3 +46,22 @@ def test_unpaired_or_misshapen_blocks_are_refused() -> None:
     assert isinstance(QuantizedCheckpoint.of({"model_type": "gpt_oss", "quantization_config": mxfp4}), Mxfp4Checkpoint)
     with pytest.raises(ConfigError, match="MXFP4 checkpoints load for gpt-oss only"):  # (its experts' layout)
         QuantizedCheckpoint.of({"model_type": "llama", "quantization_config": mxfp4})
+
+
+def test_experts_are_held_in_mxfp4_where_the_kernels_read_them() -> None:
+    """By default on CUDA with Triton and one rank (the fused experts' kernel reads the blocks), dequantized on the
+    CPU; asked of a checkpoint that is not MXFP4, or over ranks, refused in words."""
+    from boundless.model.loader import holds_mxfp4
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert not holds_mxfp4(None, True, cpu, 1)
+    assert (
+        holds_mxfp4(None, True, cuda, 1)
+        and not holds_mxfp4(None, True, cuda, 2)
+        and not holds_mxfp4(None, False, cuda, 1)
+    )
+    assert holds_mxfp4(True, True, cpu, 1) and not holds_mxfp4(False, True, cuda, 1)
+    with pytest.raises(ConfigError, match="only from an MXFP4 checkpoint"):
+        holds_mxfp4(True, False, cpu, 1)
+    with pytest.raises(ConfigError, match="tensor-parallel"):
+        holds_mxfp4(True, True, cuda, 2)

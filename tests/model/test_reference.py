@@ -642,6 +642,39 @@ def test_each_part_of_gpt_oss_counts(
         ref.loaded.model._packed_key = None
 
 
+# (The Triton kernels' case takes 14 s in the interpreter: slow on the CPU; the kernel's own MXFP4 tests are fast,
+# tests/model/test_fused_moe.py.)
+@pytest.mark.parametrize(
+    "backend", ["native", "torch", pytest.param("triton", marks=pytest.mark.slow if _ON_CPU else ())]
+)
+def test_gpt_oss_experts_held_in_mxfp4_match_transformers(
+    backend: str, load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any], model_dirs: dict[str, Path]
+) -> None:
+    """gpt-oss's experts held as the checkpoint's MXFP4 blocks and scales (SparseMoE.hold_mxfp4: the default on
+    CUDA), a quarter of bfloat16's bytes: transformers' per-step logits on the native path (each expert dequantized
+    as it is packed), PyTorch's (an expert dequantized as a step chooses it) and the Triton kernels' (the fused experts
+    dequantizing each tile in registers; Triton's interpreter on the CPU)."""
+    ref = _reference("tiny-gpt-oss-mxfp4", load, hf_model)
+    device = ref.loaded.device
+    if backend == "triton" and not triton_paged.available(device):
+        pytest.skip("triton unavailable")
+    held = load_model(str(model_dirs["tiny-gpt-oss-mxfp4"]), device=device.type, experts_in_mxfp4=True)
+    moe = held.model.layers[0].moe
+    assert moe is not None and moe.gate_up is None and moe.gate_up_blocks.dtype == torch.uint8
+    experts = ref.loaded.model.layers[0].moe
+    held_bytes = sum(p.numel() for p in moe.parameters() if p.dtype == torch.uint8)
+    assert held_bytes * 64 == (experts.gate_up.numel() + experts.down.numel()) * 2 * 17  # (4.25 bits of bf16's 16)
+    options = {"attention_backend": backend} if backend != "native" else {}
+    _check_per_step_logits(_held(ref, held), **options)
+
+
+def _held(ref: Reference, loaded: LoadedModel) -> Reference:
+    """``ref``'s prompts, tokens and logits for another loading of its model."""
+    other = copy.copy(ref)
+    other.loaded = loaded
+    return other
+
+
 def test_smollm3s_layer_without_rope_counts(load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]) -> None:
     """SmolLM3's middle layer rotates nothing: the per-step logits are transformers' (test_more_architectures_... its
     tokens), and with that layer rotated too they are not."""
