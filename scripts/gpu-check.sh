@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks of one device session, run from the repository root with the device's own python3 (PyTorch,
 # Triton, transformers; nothing installed), in at most 10 minutes (the default part, below).
-# GPU_CHECK_PART=flex (under 10 minutes) and GPU_CHECK_PART=more (~7 minutes) are runs for later sessions (two
+# GPU_CHECK_PART=flex (under 10 minutes), GPU_CHECK_PART=more (~7 minutes) and GPU_CHECK_PART=moe (the mixtures of
+# experts' fused kernels and MXFP4, ~9 minutes) are runs for later sessions (two
 # parts with their machine starts pass a session's 15 minutes of device time). flex: FlexAttention's tests on CUDA
 # (--attention-backend flex: the kernel library against our Triton kernels), then `bench gpu --shapes tiles` (the
 # attention kernels' tile shapes swept on the 1B shape, against FlexAttention and SDPA) and the engine on it on the
@@ -47,6 +48,18 @@ if [ "${GPU_CHECK_PART:-main}" = flex ]; then
     # compiles of its shapes may not fit, and nothing after it is lost).
     timeout 120 python3 -m boundless.bench.gpu --shapes 1b --cases 1 --windows 16 --attention-backend flex \
         --json "$out/bench-flex.json" 2>&1 | tee "$out/bench-flex.log" | tail -25
+    exit
+fi
+if [ "${GPU_CHECK_PART:-main}" = moe ]; then
+    # Mixtures of experts on CUDA (7 December, CPU-checked only): the fused experts' kernels against the per-expert
+    # path (bfloat16 too) and reading MXFP4, a mixture's captured decode graphs against eager, the MoE models and
+    # gpt-oss held in MXFP4 against transformers; then `bench gpu --shapes moe` (gpt-oss-20b's widths, 8 layers, MXFP4
+    # experts: against transformers, eagerly and dequantized beside it).
+    BOUNDLESS_TEST_DEVICE=cuda timeout 200 python3 -m pytest -p no:cacheprovider -q -rfE --tb=short --maxfail=5 \
+        -k "fused_moe or mixture or moe or gpt_oss or gpt-oss" tests/model/test_fused_moe.py \
+        tests/engine/test_cuda_graphs.py tests/model/test_reference.py 2>&1 | tee "$out/pytest-moe.log" | tail -15
+    timeout 360 python3 -m boundless.bench.gpu --shapes moe --json "$out/bench-moe.json" 2>&1 \
+        | tee "$out/bench-moe.log" | tail -25
     exit
 fi
 if [ "${GPU_CHECK_PART:-main}" = more ]; then

@@ -10,6 +10,9 @@ ones; speed does not depend on the values. In bf16 it runs
 3. how busy the GPU is during Boundless's decode-heavy run (kernel time under the profiler over wall
    time);
 4. a batch-64 decode of the 8B shape against its weight-streaming roofline;
+5. (``--shapes moe``) a mixture of experts shaped like gpt-oss-20b (its first 8 layers, MXFP4 experts) against
+   transformers, the experts on the fused Triton kernels and held in MXFP4, and beside it eagerly and with the
+   experts dequantized;
 
 and writes every figure to ``--json``. Each part records its error and the run goes on, so one
 failure does not cost the rest of the lease.
@@ -53,6 +56,14 @@ SHAPES = {
         rope_scaling={**_LLAMA3_ROPE, "factor": 8.0, "original_max_position_embeddings": 8192},
         weight_std=0.02, dtype="bfloat16",
     ),
+    # gpt-oss-20b's widths (32 experts of 2,880, 4 a token, MXFP4; windows of 128 on every other layer), its first 8
+    # layers of 24 (3.4 GB of experts to write and load within a lease; a step's time per layer is the whole one's).
+    "gpt-oss-20b-8-layers": TinySpec(
+        kind="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_layers=8, num_heads=64,
+        num_kv_heads=8, head_dim=64, max_position_embeddings=131072, rope_theta=150000.0, num_experts=32,
+        num_experts_per_tok=4, moe_intermediate_size=2880, sliding_window=128, weight_std=0.02, dtype="bfloat16",
+        mxfp4=True,
+    ),
 }  # fmt: skip
 # (prompts, input tokens, output tokens) of the 1B comparison with transformers.
 OFFLINE_CASES = [(256, 128, 128), (64, 512, 128), (8, 8000, 64)]
@@ -62,6 +73,13 @@ TINY_SHAPES = {
     "llama-3.1-8b": TinySpec(num_heads=4, num_kv_heads=1, num_layers=3, dtype="bfloat16", seed=2),
 }
 TINY_CASES = [(4, 16, 8), (2, 40, 6), (1, 90, 4)]
+TINY_SHAPES["gpt-oss-20b-8-layers"] = TinySpec(
+    kind="gpt_oss", num_heads=4, num_kv_heads=2, head_dim=16, sliding_window=8, mxfp4=True, dtype="bfloat16", seed=3
+)
+# (prompts, input tokens, output tokens) of the mixture's comparison: decode-heavy (every expert read each step), and
+# longer prompts.
+MOE_CASES = [(256, 128, 128), (64, 512, 128)]
+TINY_MOE_CASES = [(4, 16, 8)]
 # ``--shapes host``: a model that costs little next to the engine's Python for a step's batch.
 HOST_PROXY_SPEC = TinySpec(vocab_size=2048, hidden_size=64, intermediate_size=128, num_layers=1)
 
@@ -250,13 +268,14 @@ def _engine_config(
     max_num_seqs: int,
     num_scheduler_steps: int = 1,
     async_scheduling: bool = False,
+    enforce_eager: bool = False,
 ):
     return engine_config(
         str(path), dtype="bfloat16", device=args.device, max_model_len=args.max_model_len or _default_len(args),
         kv_cache_gb=args.kv_cache_gb, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=max_num_seqs,
         swap_space_gb=0.0, attention_backend=args.attention_backend, num_scheduler_steps=num_scheduler_steps,
         async_scheduling=async_scheduling, flash_prefill=args.flash_prefill, quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype=args.kv_cache_dtype, enforce_eager=enforce_eager,
     )  # fmt: skip
 
 
@@ -329,6 +348,50 @@ def bench_small_shape(args: argparse.Namespace, results: dict, root: Path) -> No
                 )
             if largest and case == cases[0]:
                 _stage(results, f"host_split_{key}", functools.partial(host_split, windowed, prompts, o))
+
+
+def bench_moe_shape(args: argparse.Namespace, results: dict, root: Path) -> None:
+    """The gpt-oss-shaped mixture against transformers (its experts dequantized to bfloat16, its own loop over them):
+    ours with the experts held in MXFP4 on the fused kernels and CUDA graphs (the default on CUDA); then on the first
+    case, against the same baseline, ours eagerly (no graphs) and ours with the experts dequantized to bfloat16."""
+    spec = (TINY_SHAPES if args.tiny else SHAPES)["gpt-oss-20b-8-layers"]
+    path = _stage(results, "write_moe", lambda: str(write_random_model(root / "gpt-oss", spec, device=args.device)))
+    if path is None:
+        return
+    loaded = load_model(path, dtype="bfloat16", device=args.device)
+    moe = loaded.model.layers[0].moe
+    results["moe_experts_in_mxfp4"] = moe is not None and moe.held_mxfp4
+    hf: HuggingFaceSystem | None = None
+    try:
+        hf = HuggingFaceSystem(loaded)
+    except Exception as e:  # (the baseline failing to load must not cost ours)
+        traceback.print_exc()
+        results["hf_moe"] = {"error": f"{type(e).__name__}: {e}"}
+    ours = BoundlessSystem(LLM.from_config(_engine_config(Path(path), args, 256), loaded))
+    cases = TINY_MOE_CASES if args.tiny else MOE_CASES
+    for n, i, o in cases:
+        prompts = make_prompts(loaded, n, i, seed=0)
+        systems = [ours] if hf is None else [hf, ours]
+        _stage(results, f"offline_moe_{n}x{i}x{o}", functools.partial(compare, systems, prompts, o, args.repeats, n, o))
+    n, i, o = cases[0]
+    figures = (results.get(f"offline_moe_{n}x{i}x{o}") or {}).get("figures", [])
+    hf_rate = next((f["output_tokens_per_s"] for f in figures if f["system"] == "huggingface"), None)
+    del hf, ours
+    gc.collect()  # (the baseline's weights and the first engine's KV pool go before the next engines take theirs)
+    prompts = make_prompts(loaded, n, i, seed=0)
+    eager = BoundlessSystem(LLM.from_config(_engine_config(Path(path), args, 256, enforce_eager=True), loaded))
+    _stage(
+        results, f"eager_moe_{n}x{i}x{o}", functools.partial(measured_alone, eager, prompts, o, args.repeats, hf_rate)
+    )
+    del eager
+    gc.collect()
+    dense = load_model(path, dtype="bfloat16", device=args.device, experts_in_mxfp4=False)
+    dequantized = BoundlessSystem(LLM.from_config(_engine_config(Path(path), args, 256), dense))
+    _stage(
+        results,
+        f"dequantized_moe_{n}x{i}x{o}",
+        functools.partial(measured_alone, dequantized, prompts, o, args.repeats, hf_rate),
+    )
 
 
 def measured_alone(
@@ -489,8 +552,8 @@ def _windows(args: argparse.Namespace) -> list[int]:
 def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     shapes = {s.strip() for s in args.shapes.split(",") if s.strip()}
-    if unknown := shapes - {"host", "1b", "8b", "tiles"}:
-        raise SystemExit(f"--shapes: unknown {', '.join(sorted(unknown))}; host, 1b, 8b or tiles")
+    if unknown := shapes - {"host", "1b", "8b", "tiles", "moe"}:
+        raise SystemExit(f"--shapes: unknown {', '.join(sorted(unknown))}; host, 1b, 8b, tiles or moe")
     _windows(args)  # (a bad --windows stops the run before anything is built)
     if device.type == "cuda" and not torch.cuda.is_available():  # (else each stage failed, and the run exited 0)
         raise SystemExit(
@@ -514,6 +577,11 @@ def run(args: argparse.Namespace) -> dict:
             torch.cuda.empty_cache()
     if "8b" in shapes:
         _stage(results, "decode_8b", lambda: decode_roofline(args, results, root))
+    if "moe" in shapes:
+        _stage(results, "moe", lambda: bench_moe_shape(args, results, root))
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     if "tiles" in shapes:
         from boundless.bench import attention_tiles
 
@@ -582,6 +650,17 @@ def _summary(results: dict) -> None:
             ]
             for what, host in spans:
                 print(f"  {what}, the host's (ms): " + ", ".join(f"{n} {ms:.1f}" for n, ms in list(host.items())[:3]))
+    for key, value in results.items():
+        if (
+            key.startswith(("eager_moe", "dequantized_moe"))
+            and isinstance(value, dict)
+            and "output_tokens_per_s" in value
+        ):
+            ratio = value["ratio_to_baseline"]
+            versus = f", {ratio:.2f}x transformers" if ratio else ""
+            print(f"{key}: {value['output_tokens_per_s']:.0f} tok/s{versus}")
+    if "moe_experts_in_mxfp4" in results:
+        print(f"the mixture's experts held in MXFP4: {results['moe_experts_in_mxfp4']}")
     dec = results.get("decode_8b") or {}
     if "decode_step_s" in dec:
         print(
@@ -618,7 +697,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--shapes",
         default="1b,8b",
         help="which shapes: 1b (against transformers), 8b (decode), host (the engine's host work on a tiny model: "
-        "any device), tiles (the attention kernels' tile shapes swept on the 1B shape's attention)",
+        "any device), tiles (the attention kernels' tile shapes swept on the 1B shape's attention), moe (a "
+        "gpt-oss-shaped mixture with MXFP4 experts against transformers)",
     )
     parser.add_argument(
         "--cases", type=positive_int, default=len(OFFLINE_CASES), help="how many of the 1B cases to run"

@@ -74,6 +74,28 @@ def test_bench_gpu_runs_every_part_on_small_shapes(tmp_path: Path) -> None:
     assert not list((tmp_path / "models" / "llama-8b").glob("*.safetensors"))
 
 
+@pytest.mark.slow  # (10 s here: make test stays under 10 minutes; `make test-all` runs it)
+def test_bench_gpu_runs_the_mixture_against_transformers_and_beside_itself(tmp_path: Path) -> None:
+    """``--shapes moe``: a gpt-oss-shaped mixture with MXFP4 experts against transformers, then ours eagerly and with
+    the experts dequantized, each against the same baseline; the experts held in MXFP4 where the kernels read them."""
+    parser = argparse.ArgumentParser()
+    gpu.add_arguments(parser)
+    args = parser.parse_args(
+        ["--tiny", "--shapes", "moe", "--device", TEST_DEVICE, "--workdir", str(tmp_path), "--json",
+         str(tmp_path / "moe.json"), "--max-model-len", "256", "--kv-cache-gb", "0.05", "--attention-backend",
+         BACKEND, "--repeats", "1"]
+    )  # fmt: skip
+    results = gpu.run(args)
+    assert not {k: v for k, v in results.items() if isinstance(v, dict) and "error" in v}
+    n, i, o = gpu.TINY_MOE_CASES[0]
+    case = results[f"offline_moe_{n}x{i}x{o}"]
+    assert {f["system"] for f in case["figures"]} == {"huggingface", "boundless"}
+    assert all(f["output_tokens"] == n * o for f in case["figures"])
+    for key in ("eager_moe", "dequantized_moe"):
+        assert results[f"{key}_{n}x{i}x{o}"]["ratio_to_baseline"] > 0
+    assert results["moe_experts_in_mxfp4"] == (DEVICE.type == "cuda")
+
+
 def test_bench_gpu_host_proxy_splits_each_windows_steps(tmp_path: Path) -> None:
     """``--shapes host``: the engine's host work on a one-layer model, any device (the CPU here), for a single step
     and each window: every pass of the run counted, the phases' times within its wall time."""
