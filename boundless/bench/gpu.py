@@ -34,7 +34,7 @@ import torch
 
 from boundless.bench.host_phases import PhaseRecorder, gaps_by_phase, overlaps
 from boundless.bench.host_phases import split as split_phases
-from boundless.bench.offline import BoundlessSystem, HuggingFaceSystem, compare, make_prompts
+from boundless.bench.offline import BenchSystem, BoundlessSystem, HuggingFaceSystem, compare, make_prompts
 from boundless.bench.report import output_path, print_table, write_json
 from boundless.bench.timing import device_seconds
 from boundless.config import positive_int
@@ -371,7 +371,7 @@ def bench_moe_shape(args: argparse.Namespace, results: dict, root: Path) -> None
     cases = TINY_MOE_CASES if args.tiny else MOE_CASES
     for n, i, o in cases:
         prompts = make_prompts(loaded, n, i, seed=0)
-        systems = [ours] if hf is None else [hf, ours]
+        systems: list[BenchSystem] = [ours] if hf is None else [hf, ours]
         _stage(results, f"offline_moe_{n}x{i}x{o}", functools.partial(compare, systems, prompts, o, args.repeats, n, o))
     n, i, o = cases[0]
     figures = (results.get(f"offline_moe_{n}x{i}x{o}") or {}).get("figures", [])
