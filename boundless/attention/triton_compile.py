@@ -114,25 +114,28 @@ def fp8_linear_jobs() -> list[CompileJob]:
 
 def fused_moe_jobs() -> list[CompileJob]:
     """A mixture's experts on the GPU path (``model/fused_moe.py``): a decode's tiles (few rows an expert) and a
-    prefill's, with the biases and the routing weight, in bf16 and fp32, and gpt-oss's experts read as MXFP4."""
+    prefill's, with the biases and the routing weight, in bf16 and fp32, gpt-oss's experts read as MXFP4, and
+    ``--quantization fp8``'s experts read as e4m3 (sm_89 or later)."""
     jobs = []
-    for name, weight, dtype, (block_m, block_n, block_k), bias, routed in (
-        ("bf16/decode", "bf16", "bf16", (16, 32, 64), False, False),
-        ("bf16/prefill-bias-routed", "bf16", "bf16", (64, 64, 64), True, True),
-        ("fp32/decode", "fp32", "fp32", (16, 32, 32), False, True),
-        ("mxfp4-bf16/decode-bias", "u8", "bf16", (16, 32, 64), True, False),
-        ("mxfp4-bf16/prefill-bias-routed", "u8", "bf16", (64, 64, 64), True, True),
+    for name, weight, scales, dtype, (block_m, block_n, block_k), bias, routed in (
+        ("bf16/decode", "bf16", "bf16", "bf16", (16, 32, 64), False, False),
+        ("bf16/prefill-bias-routed", "bf16", "bf16", "bf16", (64, 64, 64), True, True),
+        ("fp32/decode", "fp32", "fp32", "fp32", (16, 32, 32), False, True),
+        ("mxfp4-bf16/decode-bias", "u8", "u8", "bf16", (16, 32, 64), True, False),
+        ("mxfp4-bf16/prefill-bias-routed", "u8", "u8", "bf16", (64, 64, 64), True, True),
+        ("fp8-bf16/decode", "fp8e4nv", "fp32", "bf16", (16, 32, 64), False, False),
+        ("fp8-bf16/prefill-routed", "fp8e4nv", "fp32", "bf16", (64, 64, 64), False, True),
     ):
         ptr = f"*{dtype}"
         types = dict(
-            out_ptr=ptr, a_ptr=ptr, w_ptr=f"*{weight}", scale_ptr=f"*{weight}", bias_ptr=ptr, routing_ptr=ptr,
+            out_ptr=ptr, a_ptr=ptr, w_ptr=f"*{weight}", scale_ptr=f"*{scales}", bias_ptr=ptr, routing_ptr=ptr,
             sorted_ptr="*i32", block_expert_ptr="*i32", num_rows_ptr="*i32", n_cols="i32", k_cols="i32",
             num_slots="i32", a_row_of_slot="i32", stride_am="i32", stride_we="i32", stride_wn="i32", stride_wk="i32",
-            stride_se="i32", stride_sn="i32", stride_be="i32", stride_om="i32",
+            stride_se="i32", stride_sn="i32", stride_sk="i32", stride_be="i32", stride_om="i32",
         )  # fmt: skip
         consts = dict(
-            HAS_BIAS=bias, ROUTED=routed, MXFP4=weight == "u8", PRECISION="ieee" if dtype == "fp32" else None,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            HAS_BIAS=bias, ROUTED=routed, MXFP4=weight == "u8", FP8=weight == "fp8e4nv", SCALE_N=1, SCALE_K=0,
+            PRECISION="ieee" if dtype == "fp32" else None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         )  # fmt: skip
         kernel = (fused_moe.__name__, "_expert_product_kernel")
         jobs.append(CompileJob(f"fused_moe/{name}", kernel, types, consts, 4, 3))

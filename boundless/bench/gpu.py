@@ -360,7 +360,7 @@ def bench_moe_shape(args: argparse.Namespace, results: dict, root: Path) -> None
         return
     loaded = load_model(path, dtype="bfloat16", device=args.device)
     moe = loaded.model.layers[0].moe
-    results["moe_experts_in_mxfp4"] = moe is not None and moe.held_mxfp4
+    results["moe_experts_in_mxfp4"] = moe is not None and moe.held == "mxfp4"
     hf: HuggingFaceSystem | None = None
     try:
         hf = HuggingFaceSystem(loaded)

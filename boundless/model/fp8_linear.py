@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -65,6 +66,37 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w = weight.float()
     scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(_TINY)
     return (w / scale).to(FP8), scale.t().contiguous()
+
+
+@dataclass(frozen=True)
+class Fp8Stack:
+    """A stack of matrices [experts, out, in] held in e4m3 (a mixture's experts under ``--quantization fp8``), with
+    scales [experts, out / block[0], in / block[1]] in fp32: one a block of ``block`` (rows, inputs); an input side of
+    0 means the whole row (a scale per output row, as :func:`quantize_rows` makes)."""
+
+    weight: torch.Tensor
+    scales: torch.Tensor
+    block: tuple[int, int] = (1, 0)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        experts, out, inputs = self.weight.shape
+        return experts, out, inputs
+
+    def dequantized(self, index: int, dtype: torch.dtype) -> torch.Tensor:
+        """Matrix ``index`` of the stack [out, in] in ``dtype`` (each value times its block's scale, in fp32)."""
+        rows, cols = self.block
+        scales = self.scales[index].repeat_interleave(rows, dim=0)[: self.weight.shape[1]]
+        if cols:
+            scales = scales.repeat_interleave(cols, dim=1)[:, : self.weight.shape[2]]
+        return (self.weight[index].float() * scales).to(dtype)
+
+
+def quantize_stack(weight: torch.Tensor) -> Fp8Stack:
+    """``weight`` [experts, out, in] as e4m3 with a scale per expert's output row (:func:`quantize_rows`'s)."""
+    experts, out, inputs = weight.shape
+    q, scale = quantize_rows(weight.reshape(experts * out, inputs))
+    return Fp8Stack(q.view(experts, out, inputs), scale.view(experts, out, 1))
 
 
 if triton is not None:

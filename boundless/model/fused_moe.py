@@ -14,7 +14,9 @@ token are then summed (in fp32, rounded once, where transformers adds them one a
 same to a rounding in bfloat16, to the summation's order in fp32).
 
 gpt-oss's experts may come as their checkpoint's MXFP4 blocks and scales (``Mxfp4Stack``): the kernel then reads a
-quarter of bfloat16's bytes and dequantizes each tile in registers (vLLM reads them with its own MXFP4 kernels).
+quarter of bfloat16's bytes and dequantizes each tile in registers (vLLM reads them with its own MXFP4 kernels); and
+under ``--quantization fp8`` as e4m3 with a scale per output row (``Fp8Stack``): half the bytes, each tile widened to
+the input's type and its product scaled.
 
 The kernels run on CUDA and, for the tests, in Triton's interpreter on the CPU (``TRITON_INTERPRET=1``); the CPU's
 own path stays the per-expert one (its native kernels).
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from boundless.model.fp8_linear import Fp8Stack
 from boundless.model.mxfp4 import Mxfp4Stack
 
 try:
@@ -102,8 +105,9 @@ if triton is not None:
     def _expert_product_kernel(
         out_ptr, a_ptr, w_ptr, scale_ptr, bias_ptr, routing_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
         n_cols, k_cols, num_slots, a_row_of_slot,
-        stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_be, stride_om,
-        HAS_BIAS: tl.constexpr, ROUTED: tl.constexpr, MXFP4: tl.constexpr, PRECISION: tl.constexpr,
+        stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_be, stride_om,
+        HAS_BIAS: tl.constexpr, ROUTED: tl.constexpr, MXFP4: tl.constexpr, FP8: tl.constexpr,
+        SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         """Rows ``[pid_m * BLOCK_M, +BLOCK_M)`` of the grouped rows (one expert's) times columns
@@ -114,7 +118,11 @@ if triton is not None:
         With MXFP4 the weight is its blocks (bytes [n_cols, k_cols / 2]: input ``2i`` the low nibble of byte ``i``,
         ``2i + 1`` its high one) and scales ([n_cols, k_cols / 32], an exponent biased by 127): a tile's bytes are
         dequantized in registers (exactly: the scale is made from its bits) and the even and odd inputs multiplied
-        apart, so the values are never interleaved. BLOCK_K is then a multiple of 32."""
+        apart, so the values are never interleaved. BLOCK_K is then a multiple of 32.
+
+        With FP8 the weight is e4m3 with a scale [n_cols / SCALE_N, k_cols / SCALE_K] a block (SCALE_K 0: one along
+        the whole row): each tile's product is taken in the input's type (e4m3 widens exactly) and scaled as it is
+        summed, a column's scale factoring out of its sum. SCALE_K is then a multiple of BLOCK_K."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
@@ -136,7 +144,7 @@ if triton is not None:
                 b_ok = byte < k_cols // 2
                 w_mask = b_ok[:, None] & col_ok[None, :]
                 packed = tl.load(w_base + byte[:, None] * stride_wk, mask=w_mask, other=0)
-                exponent = tl.load(s_base + byte[:, None] // 16, mask=w_mask, other=127)
+                exponent = tl.load(s_base + (byte[:, None] // 16) * stride_sk, mask=w_mask, other=127)
                 scale = (exponent.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2 ** (exponent - 127)
                 a_mask = valid[:, None] & b_ok[None, :]
                 even = tl.load(a_base + 2 * byte[None, :], mask=a_mask, other=0.0)
@@ -145,6 +153,17 @@ if triton is not None:
                 high = (_e2m1(packed >> 4) * scale).to(even.dtype)
                 acc += tl.dot(even, low, input_precision=PRECISION)
                 acc += tl.dot(odd, high, input_precision=PRECISION)
+        elif FP8:
+            s_base = scale_ptr + expert * stride_se + (cols // SCALE_N) * stride_sn
+            scale = tl.load(s_base, mask=col_ok, other=0.0)
+            for k0 in range(0, k_cols, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                k_ok = ks < k_cols
+                a = tl.load(a_base + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_base + ks[:, None] * stride_wk, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                if SCALE_K > 0:
+                    scale = tl.load(s_base + (k0 // SCALE_K) * stride_sk, mask=col_ok, other=0.0)
+                acc += tl.dot(a, w.to(a.dtype), input_precision=PRECISION) * scale[None, :]
         else:
             for k0 in range(0, k_cols, BLOCK_K):
                 ks = k0 + tl.arange(0, BLOCK_K)
@@ -174,7 +193,7 @@ def block_sizes(num_tokens: int, num_experts: int, dtype: torch.dtype) -> tuple[
 def _product(
     out: torch.Tensor,
     a: torch.Tensor,
-    weight: torch.Tensor | Mxfp4Stack,
+    weight: torch.Tensor | Mxfp4Stack | Fp8Stack,
     bias: torch.Tensor | None,
     groups: ExpertGroups,
     a_row_of_slot: int,
@@ -186,12 +205,16 @@ def _product(
     launch; with ``routing``, the rounded product times the slot's routing weight."""
     assert a.stride(-1) == 1 and out.stride(-1) == 1
     _, n_cols, k_cols = weight.shape
+    scale_block = (1, 0)
     if isinstance(weight, Mxfp4Stack):
         w, scales = weight.blocks.flatten(-2), weight.scales  # (bytes [experts, out, in / 2])
-        assert w.stride(-1) == 1 and scales.stride(-1) == 1 and block_k % 32 == 0
-        scale_strides = (scales.stride(0), scales.stride(1))
+        assert w.stride(-1) == 1 and block_k % 32 == 0
+    elif isinstance(weight, Fp8Stack):
+        w, scales, scale_block = weight.weight, weight.scales, weight.block
+        assert scale_block[1] % block_k == 0
     else:
-        w, scales, scale_strides = weight, weight, (0, 0)
+        w, scales = weight, weight
+    scale_strides = (scales.stride(0), scales.stride(1), scales.stride(2)) if scales is not w else (0, 0, 0)
     grid = (groups.block_experts.numel(), triton.cdiv(n_cols, block_n))
     _expert_product_kernel[grid](
         out, a, w, scales, w if bias is None else bias, out if routing is None else routing,
@@ -200,6 +223,7 @@ def _product(
         a.stride(0), w.stride(0), w.stride(1), w.stride(2), *scale_strides, 0 if bias is None else bias.stride(0),
         out.stride(0),
         HAS_BIAS=bias is not None, ROUTED=routing is not None, MXFP4=isinstance(weight, Mxfp4Stack),
+        FP8=isinstance(weight, Fp8Stack), SCALE_N=scale_block[0], SCALE_K=scale_block[1],
         PRECISION="ieee" if a.dtype == torch.float32 else None,
         BLOCK_M=groups.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )  # fmt: skip
@@ -209,15 +233,15 @@ def expert_products(
     x: torch.Tensor,
     experts: torch.Tensor,
     weights: torch.Tensor,
-    gate_up: torch.Tensor | Mxfp4Stack,
-    down: torch.Tensor | Mxfp4Stack,
+    gate_up: torch.Tensor | Mxfp4Stack | Fp8Stack,
+    down: torch.Tensor | Mxfp4Stack | Fp8Stack,
     activate: Callable[[torch.Tensor], torch.Tensor],
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The experts' weighted sum for each row of ``x`` [tokens, hidden]: ``experts`` [tokens, top_k] chosen with
     ``weights`` (in ``x``'s type), ``gate_up`` [experts, 2 * inter, hidden] and ``down`` [experts, hidden, inter]
-    (each in ``x``'s type or MXFP4; with their biases [experts, out] or None), ``activate`` the gated activation of
+    (each in ``x``'s type, MXFP4 or FP8; with their biases [experts, out] or None), ``activate`` the gated activation of
     [rows, 2 * inter] rows."""
     tokens, hidden = x.shape
     top_k = experts.shape[1]

@@ -276,7 +276,10 @@ class DecoderLayer(nn.Module):
 
     def quantize_fp8(self) -> None:
         """The layer's dense matrices (attention's, and the MLP's unless it has experts) to e4m3 with a scale per
-        output row; a matrix ``_scaled_mm`` cannot take (sides not multiples of 16) stays as it is."""
+        output row; a matrix ``_scaled_mm`` cannot take (sides not multiples of 16) stays as it is. A mixture's experts
+        too (``SparseMoE.quantize_fp8``: read by the fused experts' kernel, which takes any sides)."""
+        if self.moe is not None:
+            self.moe.quantize_fp8()
         for name in ("qkv", "o", "gate_up", "down"):
             weight = getattr(self, f"{name}_weight")
             if weight is None or not quantizable(weight):
@@ -648,8 +651,9 @@ class LlamaModel(nn.Module):
         return self.reduce is not None
 
     def quantize_fp8(self) -> None:
-        """``--quantization fp8``: every layer's dense matrices to e4m3 (:meth:`DecoderLayer.quantize_fp8`); the
-        embedding, the LM head and a mixture's experts stay in the model's type."""
+        """``--quantization fp8``: every layer's dense matrices and a mixture's experts to e4m3
+        (:meth:`DecoderLayer.quantize_fp8`); the embedding, the LM head and a mixture's router stay in the model's
+        type."""
         with torch.no_grad():
             for layer in self.layers:
                 layer.quantize_fp8()

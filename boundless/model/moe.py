@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from boundless.model.arch import ModelArch
+from boundless.model.fp8_linear import Fp8Stack, quantize_stack
 from boundless.model.mxfp4 import Mxfp4Stack
 
 if TYPE_CHECKING:
@@ -77,9 +78,10 @@ class SparseMoE(nn.Module):
         self.packed_router: PackedWeight | None = None
         self.gate_up = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
         self.down = nn.Parameter(torch.empty(experts, hidden, inter))
-        # gpt-oss's experts held as its checkpoints hold them (hold_mxfp4): parameters gate_up_blocks, gate_up_scales,
-        # down_blocks and down_scales in place of gate_up and down.
-        self.held_mxfp4 = False
+        # How the two stacks are held, if not in the model's type: "mxfp4" (gpt-oss's, as its checkpoints hold them:
+        # hold_mxfp4; parameters gate_up_blocks, gate_up_scales, down_blocks and down_scales in their place) or "fp8"
+        # (--quantization fp8: quantize_fp8; gate_up and down in e4m3, gate_up_scale and down_scale beside them).
+        self.held: str | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts [tokens, top_k] and their weights, as transformers' router computes them: a softmax
@@ -111,19 +113,36 @@ class SparseMoE(nn.Module):
                 param = nn.Parameter(torch.empty(shape, dtype=torch.uint8, device=weight.device), requires_grad=False)
                 self.register_parameter(f"{name}_{part}", param)
             self.register_parameter(name, None)
-        self.held_mxfp4 = True
+        self.held = "mxfp4"
 
-    def mxfp4_stack(self, name: str) -> Mxfp4Stack:
-        """The stack ``name`` (``gate_up`` or ``down``) as held in MXFP4 (:meth:`hold_mxfp4`). (Looked up each time:
-        moving the module, as ``to_empty`` does, replaces its parameters.)"""
-        return Mxfp4Stack(getattr(self, f"{name}_blocks"), getattr(self, f"{name}_scales"))
+    def quantize_fp8(self) -> None:
+        """``--quantization fp8``: the two stacks in e4m3 with a scale per expert's output row (vLLM's FP8 mixture
+        holds them so too), half a 16-bit model's bytes, read by the GPU path's kernels as they are; dequantized an
+        expert at a time on the others. Experts held in MXFP4 stay so (a smaller form)."""
+        if self.held is not None:
+            return
+        for name in ("gate_up", "down"):
+            stack = quantize_stack(getattr(self, name).data)
+            setattr(self, name, nn.Parameter(stack.weight, requires_grad=False))
+            self.register_parameter(f"{name}_scale", nn.Parameter(stack.scales, requires_grad=False))
+        self.held = "fp8"
+
+    def stack(self, name: str) -> torch.Tensor | Mxfp4Stack | Fp8Stack:
+        """The stack ``name`` (``gate_up`` or ``down``) as held (:attr:`held`). (Looked up each time: moving the
+        module, as ``to_empty`` does, replaces its parameters.)"""
+        if self.held == "mxfp4":
+            return Mxfp4Stack(getattr(self, f"{name}_blocks"), getattr(self, f"{name}_scales"))
+        if self.held == "fp8":
+            return Fp8Stack(getattr(self, name), getattr(self, f"{name}_scale"))
+        return getattr(self, name)
 
     def expert(self, index: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert ``index``'s gate/up [2 * inter, hidden] and down [hidden, inter] (dequantized into ``dtype`` when
-        held in MXFP4)."""
-        if not self.held_mxfp4:
-            return self.gate_up[index], self.down[index]
-        gate_up, down = self.mxfp4_stack("gate_up"), self.mxfp4_stack("down")
+        """Expert ``index``'s gate/up [2 * inter, hidden] and down [hidden, inter], dequantized into ``dtype`` when
+        held quantized."""
+        gate_up, down = self.stack("gate_up"), self.stack("down")
+        if isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor):
+            return gate_up[index], down[index]
+        assert not isinstance(gate_up, torch.Tensor) and not isinstance(down, torch.Tensor)
         return gate_up.dequantized(index, dtype), down.dequantized(index, dtype)
 
     def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -207,11 +226,10 @@ class SparseMoE(nn.Module):
 
         experts, weights = self.route(x)
         activate = triton_ops.silu_mul if self.swiglu_limit is None else self.activate  # (one kernel for SiLU * up)
-        held = self.held_mxfp4
-        gate_up: torch.Tensor | Mxfp4Stack = self.mxfp4_stack("gate_up") if held else self.gate_up
-        down: torch.Tensor | Mxfp4Stack = self.mxfp4_stack("down") if held else self.down
         biases = self.gate_up_bias, self.down_bias
-        return fused_moe.expert_products(x, experts, weights, gate_up, down, activate, *biases)
+        return fused_moe.expert_products(
+            x, experts, weights, self.stack("gate_up"), self.stack("down"), activate, *biases
+        )
 
     def target(self, name: str) -> tuple[torch.Tensor, tuple[int, int] | None] | None:
         """Where a checkpoint tensor named ``name`` (below the layer's :attr:`block`) goes: (the parameter, or one
@@ -227,7 +245,7 @@ class SparseMoE(nn.Module):
             return (self.router if name == "router.weight" else biases[name]), None  # type: ignore[return-value]
         if parts[:1] != ["experts"]:
             return None
-        if self.held_mxfp4:  # (gpt-oss's MXFP4 blocks and scales, held as they are)
+        if self.held == "mxfp4":  # (gpt-oss's MXFP4 blocks and scales, held as they are)
             held = _MXFP4_PARAMETERS.get(name)
             return None if held is None else (getattr(self, held), None)
         if parts[1:] == ["gate_up_proj"]:  # transformers 5's stacked form
@@ -273,7 +291,7 @@ class SparseMoE(nn.Module):
         """The per-expert names a checkpoint holds this block's weights under, below the layer's :attr:`block`."""
         if self.router_bias is not None:
             stacked: tuple[str, ...] = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
-            if self.held_mxfp4:
+            if self.held == "mxfp4":
                 stacked = (*(name.removeprefix("experts.") for name in _MXFP4_PARAMETERS), *stacked[1::2])
             return ["router.weight", "router.bias", *(f"experts.{n}" for n in stacked)]
         names = ["gate.weight"]

@@ -30,9 +30,13 @@ def test_kernels_compile_for_sm90() -> None:
     # layers' rms_norm (Llama's and Gemma's), rotary and silu_mul; and a device
     # window's next-pass inputs; a bf16 model's over an fp8 cache (e4m3: decode, split decode, prefill, store; e5m2:
     # decode, store); --quantization fp8's activation quantizer; and a mixture's experts (bf16 decode and prefill, fp32,
-    # gpt-oss's MXFP4 decode and prefill).
-    assert len(shared) == (2 * 7 + 2 + 4) + (2 * 3 + 2 + 4) + 1 + (4 + 2) + 1 + 5
-    assert {"fused_moe/bf16/decode", "fused_moe/mxfp4-bf16/prefill-bias-routed"} <= shared.keys()
+    # gpt-oss's MXFP4 decode and prefill, --quantization fp8's e4m3 decode and prefill).
+    assert len(shared) == (2 * 7 + 2 + 4) + (2 * 3 + 2 + 4) + 1 + (4 + 2) + 1 + 7
+    assert {
+        "fused_moe/bf16/decode",
+        "fused_moe/mxfp4-bf16/prefill-bias-routed",
+        "fused_moe/fp8-bf16/decode",
+    } <= shared.keys()
     assert {"attention/bf16/d128/prefill-window", "rms_norm-gemma/bf16"} <= shared.keys()
     assert "attention/bf16/d128/decode-split-window-softcap" in shared
     assert {"attention/bf16-fp8-cache/d128/decode", "store_kv/bf16-to-fp8", "fp8_linear/quantize_rows"} <= shared.keys()

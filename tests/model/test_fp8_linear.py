@@ -5,6 +5,7 @@ another KV fingerprint) answering close to the unquantized one through the engin
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -111,11 +112,25 @@ def test_the_engine_runs_a_quantized_model_close_to_the_unquantized_one(smollm2:
     assert q_tokens[:2] == tokens[:2]
 
 
-def test_a_mixtures_experts_stay_unquantized(model_dirs: dict[str, Path]) -> None:
+def test_a_mixtures_experts_are_quantized_with_a_scale_per_row(
+    model_dirs: dict[str, Path], load: Callable[[str], LoadedModel]
+) -> None:
+    """``--quantization fp8`` holds a mixture's experts in e4m3 too, a scale per expert's output row (vLLM's FP8
+    mixture), the router in the model's type: the model scores a prompt as the unquantized one does, within what
+    e4m3 rounds away."""
     moe = load_model(str(model_dirs["tiny-qwen3-moe"]), quantization="fp8")
     sparse = next(layer for layer in moe.model.layers if layer.moe is not None)
     assert sparse.qkv_weight.dtype == FP8 and sparse.gate_up_weight is None
-    assert all(p.dtype == torch.float32 for p in sparse.moe.parameters())
+    experts = sparse.moe
+    assert experts is not None and experts.held == "fp8" and experts.router.dtype == torch.float32
+    assert experts.gate_up.dtype == FP8 and experts.down.dtype == FP8
+    assert experts.gate_up_scale.shape == (*experts.gate_up.shape[:2], 1)
+    unquantized = next(layer for layer in load("tiny-qwen3-moe").model.layers if layer.moe is not None).moe
+    assert unquantized is not None
+    for e in range(experts.router.shape[0]):
+        gate_up, down = experts.expert(e, torch.float32)
+        torch.testing.assert_close(gate_up, unquantized.gate_up[e], rtol=0.07, atol=1e-3)  # (e4m3: 3 mantissa bits)
+        torch.testing.assert_close(down, unquantized.down[e], rtol=0.07, atol=1e-3)
     tokens, scores = _answer(moe, [5, 9, 13, 17, 21, 25])
     assert len(tokens) == 6 and len(scores) == 5
 
@@ -363,7 +378,8 @@ def test_a_mixture_gives_a_row_the_same_alone_or_in_a_batch(tmp_path: Path, quan
     layer = loaded.model.layers[0]
     assert layer.moe is not None and layer.moe.packed_router is not None
     experts = layer.packed.experts if layer.packed is not None else layer.widened_experts
-    assert experts and all(p.dtype == torch.float32 for p in layer.moe.parameters())
+    assert experts and layer.moe.router.dtype == torch.float32
+    assert layer.moe.held == ("fp8" if quantization else None)
     x = torch.randn(9, 576, generator=torch.Generator().manual_seed(0))
     batch = layer.moe(x, experts)
     for rows in (1, 2, 5):

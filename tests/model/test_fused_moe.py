@@ -158,3 +158,22 @@ def test_mxfp4_experts_give_the_sums_of_their_dequantized_weights(dtype: torch.d
     torch.testing.assert_close(products(gate_up, down), want, rtol=0, atol=tolerance)
     swapped = Mxfp4Stack((gate_up.blocks >> 4) | (gate_up.blocks << 4), gate_up.scales)
     assert not torch.allclose(products(swapped, down), want, rtol=0, atol=tolerance)
+
+
+@pytest.mark.skipif(not _TRITON_RUNS, reason="triton unavailable")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("kind", "tokens"), [("qwen3_moe", 1), ("qwen3_moe", 40), ("gpt_oss", 40)])
+def test_fp8_experts_give_the_sums_of_their_dequantized_weights(kind: str, dtype: torch.dtype, tokens: int) -> None:
+    """``--quantization fp8``'s experts (e4m3, a scale per expert's output row, SparseMoE.quantize_fp8): the kernel
+    widens each tile and scales its product as it sums; the per-expert path dequantizes the chosen experts. The two
+    agree, and without the scales they would not."""
+    moe = _moe(kind, dtype, seed=tokens)
+    moe.quantize_fp8()
+    assert moe.held == "fp8" and moe.gate_up.dtype == torch.float8_e4m3fn
+    x = torch.randn(tokens, 48, generator=torch.Generator().manual_seed(tokens + 1)).to(DEVICE, dtype)
+    with torch.no_grad():
+        want = moe(x)
+        tolerance = TOLERANCE[dtype] * max(1.0, want.abs().max().item())
+        torch.testing.assert_close(moe.forward_fused(x), want, rtol=0, atol=tolerance)
+        moe.gate_up_scale.mul_(2)
+        assert not torch.allclose(moe.forward_fused(x), want, rtol=0, atol=tolerance)
