@@ -145,7 +145,9 @@ if triton is not None:
                 w_mask = b_ok[:, None] & col_ok[None, :]
                 packed = tl.load(w_base + byte[:, None] * stride_wk, mask=w_mask, other=0)
                 exponent = tl.load(s_base + (byte[:, None] // 16) * stride_sk, mask=w_mask, other=127)
-                scale = (exponent.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2 ** (exponent - 127)
+                # 2 ** (exponent - 127) from its bits (exponent 0: 2 ** -127, fp32's subnormal 0x400000).
+                bits = tl.where(exponent == 0, 0x400000, exponent.to(tl.int32) << 23)
+                scale = bits.to(tl.float32, bitcast=True)
                 a_mask = valid[:, None] & b_ok[None, :]
                 even = tl.load(a_base + 2 * byte[None, :], mask=a_mask, other=0.0)
                 odd = tl.load(a_base + 2 * byte[None, :] + 1, mask=a_mask, other=0.0)
@@ -182,8 +184,9 @@ if triton is not None:
 
 
 def block_sizes(num_tokens: int, num_experts: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(block_m, block_n, block_k) for a step of ``num_tokens``, as vLLM's default configuration picks them: with
-    few tokens an expert, rows in 16s (most of a block would be padding otherwise); fp32 tiles half as deep."""
+    """(block_m, block_n, block_k) for a step of ``num_tokens``, after vLLM's default configuration (its row and
+    column blocks; untuned here): with few tokens an expert, rows in 16s (most of a block would be padding
+    otherwise); fp32 tiles half as deep."""
     block_k = 32 if dtype == torch.float32 else 64
     if num_tokens <= num_experts:
         return 16, 32, block_k

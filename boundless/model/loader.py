@@ -375,7 +375,7 @@ def load_model(
     network this is (:mod:`boundless.model.tensor_parallel`): its ``arch`` is the rank's share, ``full_arch`` the
     model's. ``experts_in_mxfp4``: hold an MXFP4 checkpoint's experts (gpt-oss's) as its blocks and scales
     (``SparseMoE.hold_mxfp4``) rather than dequantized; None: where the GPU path's kernels read them (on CUDA, with
-    Triton, one rank)."""
+    Triton, one rank; ``load_configured_model`` asks False under ``--attention-backend torch``)."""
     path = resolve_model_path(name)
     check_overrides(path, hf_overrides)
     dev = torch.device(device)
@@ -390,6 +390,8 @@ def load_model(
     if path.is_file():
         from boundless.model.gguf import read_gguf
 
+        if experts_in_mxfp4:
+            raise ConfigError(f"--model {path}: a GGUF file's experts load dequantized, not held in MXFP4")
         try:
             # (Each weight dequantized and cast as the model takes it: the file's weights are never all in memory.)
             gguf = read_gguf(path, dtype=torch_dtype)
@@ -492,9 +494,12 @@ def load_configured_model(config: ModelConfig, device: str | None = None, rank: 
     given), ``--hf-overrides``, ``--quantization``, and with ``--tensor-parallel-size`` rank ``rank``'s share (on
     CUDA the device ``rank`` places past the named one)."""
     tp = TensorParallel(rank, config.tensor_parallel_size)
+    # (MXFP4 experts are held where the fused experts' kernels read them: not under --attention-backend torch, whose
+    # layers would dequantize each chosen expert every step.)
+    mxfp4 = False if config.attention_backend == "torch" else None
     return load_model(
         config.model, config.dtype, rank_device(device or config.device, rank), hf_overrides=config.overrides,
-        quantization=config.quantization, tensor_parallel=tp,
+        quantization=config.quantization, tensor_parallel=tp, experts_in_mxfp4=mxfp4,
     )  # fmt: skip
 
 

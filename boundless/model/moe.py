@@ -104,6 +104,8 @@ class SparseMoE(nn.Module):
         on the others. Made on the meta device, before the weights are allocated and loaded."""
         if self.gate_up_bias is None:
             raise ValueError("only gpt-oss's experts are held in MXFP4")
+        if self.held is not None:
+            raise ValueError(f"the experts are held in {self.held} already")
         for name in ("gate_up", "down"):
             weight = getattr(self, name)
             experts, rows, cols = weight.shape

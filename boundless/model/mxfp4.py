@@ -13,6 +13,7 @@ by tile (``model/fused_moe.py``); elsewhere they are held dequantized in the mod
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -30,10 +31,18 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
         raise ValueError(f"MXFP4 blocks and scales are uint8, not {blocks.dtype} and {scales.dtype}")
     if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} do not match their scales {tuple(scales.shape)}")
-    table = torch.tensor(E2M1_VALUES, dtype=dtype, device=blocks.device)
+    table = _e2m1_table(blocks.device)
     values = torch.stack([table[(blocks & 0x0F).int()], table[(blocks >> 4).int()]], dim=-1).flatten(-2)
-    values = torch.ldexp(values, (scales.to(torch.int32) - 127).unsqueeze(-1).to(dtype))
-    return values.flatten(-2)
+    # (In fp32, then cast: exact in bfloat16 and fp32, where the values fit; float16's 2 ** 16 would overflow first.)
+    values = torch.ldexp(values, (scales.to(torch.int32) - 127).unsqueeze(-1).float())
+    return values.flatten(-2).to(dtype)
+
+
+@functools.cache
+def _e2m1_table(device: torch.device) -> torch.Tensor:
+    """:data:`E2M1_VALUES` in fp32 on ``device``, made once (an expert is dequantized each time a step chooses it on
+    the paths that hold MXFP4 experts without the kernels)."""
+    return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
 
 
 @dataclass(frozen=True)

@@ -177,3 +177,20 @@ def test_fp8_experts_give_the_sums_of_their_dequantized_weights(kind: str, dtype
         torch.testing.assert_close(moe.forward_fused(x), want, rtol=0, atol=tolerance)
         moe.gate_up_scale.mul_(2)
         assert not torch.allclose(moe.forward_fused(x), want, rtol=0, atol=tolerance)
+
+
+@pytest.mark.skipif(not _TRITON_RUNS, reason="triton unavailable")
+def test_mxfp4_scales_of_the_smallest_exponents_are_exact() -> None:
+    """Exponent bytes 0 to 2: the kernel's scale made from its bits is 2 ** (e - 127) for each (0: fp32's subnormal
+    2 ** -127), as the dequantization's ``ldexp`` gives it."""
+    g = torch.Generator().manual_seed(5)
+    stack = _mxfp4_stack(1, 32, 64, g)
+    stack = Mxfp4Stack(stack.blocks, torch.randint(0, 3, stack.scales.shape, generator=g, dtype=torch.uint8).to(DEVICE))
+    dense = dequantize_mxfp4(stack.blocks, stack.scales, torch.float32)
+    x = torch.randn(3, 64, generator=g).to(DEVICE)
+    groups = fused_moe.group_by_expert(torch.zeros(3, 1, dtype=torch.long, device=DEVICE), 1, 16)
+    got, want = (torch.empty(3, 32, device=DEVICE) for _ in range(2))
+    fused_moe._product(got, x, stack, None, groups, 1, None, 32, 32)
+    fused_moe._product(want, x, dense, None, groups, 1, None, 32, 32)
+    assert want.abs().max() > 0
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)

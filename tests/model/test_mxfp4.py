@@ -65,3 +65,18 @@ def test_experts_are_held_in_mxfp4_where_the_kernels_read_them() -> None:
         holds_mxfp4(True, False, cpu, 1)
     with pytest.raises(ConfigError, match="tensor-parallel"):
         holds_mxfp4(True, True, cuda, 2)
+
+
+def test_a_gguf_files_experts_are_not_held_in_mxfp4() -> None:
+    from boundless.model.loader import load_model
+
+    with pytest.raises(ConfigError, match="GGUF file's experts load dequantized"):
+        load_model("smollm2-135m", experts_in_mxfp4=True)
+
+
+def test_dequantized_in_float16_where_the_values_fit() -> None:
+    """A scale of 2**16 times 0.5 is 32768, which float16 holds (its 2**16 alone it does not: the power is taken in
+    fp32 first)."""
+    blocks = torch.full((1, 1, 16), 0x11, dtype=torch.uint8)  # (0.5 in both nibbles)
+    values = dequantize_mxfp4(blocks, torch.tensor([[143]], dtype=torch.uint8), torch.float16)
+    assert values.dtype == torch.float16 and torch.equal(values, torch.full((1, 32), 32768.0, dtype=torch.float16))

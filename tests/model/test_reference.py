@@ -661,9 +661,9 @@ def test_gpt_oss_experts_held_in_mxfp4_match_transformers(
     held = load_model(str(model_dirs["tiny-gpt-oss-mxfp4"]), device=device.type, experts_in_mxfp4=True)
     moe = held.model.layers[0].moe
     assert moe is not None and moe.gate_up is None and moe.gate_up_blocks.dtype == torch.uint8
-    experts = ref.loaded.model.layers[0].moe
+    num_experts, hidden = moe.router.shape
     held_bytes = sum(p.numel() for p in moe.parameters() if p.dtype == torch.uint8)
-    assert held_bytes * 64 == (experts.gate_up.numel() + experts.down.numel()) * 2 * 17  # (4.25 bits of bf16's 16)
+    assert held_bytes * 64 == num_experts * 3 * hidden * moe.inter * 2 * 17  # (4.25 bits of bf16's 16)
     options = {"attention_backend": backend} if backend != "native" else {}
     _check_per_step_logits(_held(ref, held), **options)
 
