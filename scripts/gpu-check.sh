@@ -57,7 +57,8 @@ if [ "${GPU_CHECK_PART:-main}" = moe ]; then
     # experts: against transformers, eagerly and dequantized beside it).
     BOUNDLESS_TEST_DEVICE=cuda timeout 200 python3 -m pytest -p no:cacheprovider -q -rfE --tb=short --maxfail=5 \
         -k "fused_moe or mixture or moe or gpt_oss or gpt-oss" tests/model/test_fused_moe.py \
-        tests/engine/test_cuda_graphs.py tests/model/test_reference.py 2>&1 | tee "$out/pytest-moe.log" | tail -15
+        tests/engine/test_cuda_graphs.py tests/model/test_reference.py tests/model/test_quantized_checkpoint.py \
+        2>&1 | tee "$out/pytest-moe.log" | tail -15
     timeout 360 python3 -m boundless.bench.gpu --shapes moe --json "$out/bench-moe.json" 2>&1 \
         | tee "$out/bench-moe.log" | tail -25
     exit

@@ -385,7 +385,7 @@ def bench_moe_shape(args: argparse.Namespace, results: dict, root: Path) -> None
     )
     del eager
     gc.collect()
-    dense = load_model(path, dtype="bfloat16", device=args.device, experts_in_mxfp4=False)
+    dense = load_model(path, dtype="bfloat16", device=args.device, quantized_experts=False)
     dequantized = BoundlessSystem(LLM.from_config(_engine_config(Path(path), args, 256), dense))
     _stage(
         results,

@@ -214,7 +214,9 @@ def _product(
         assert w.stride(-1) == 1 and block_k % 32 == 0
     elif isinstance(weight, Fp8Stack):
         w, scales, scale_block = weight.weight, weight.scales, weight.block
-        assert scale_block[1] % block_k == 0
+        if scale_block[1]:  # (a tile's inputs within one scale's block)
+            block_k = min(block_k, scale_block[1])
+            assert scale_block[1] % block_k == 0
     else:
         w, scales = weight, weight
     scale_strides = (scales.stride(0), scales.stride(1), scales.stride(2)) if scales is not w else (0, 0, 0)

@@ -829,12 +829,18 @@ class LlamaModel(nn.Module):
 
     # -- weights -----------------------------------------------------------------------------
 
-    def hold_experts_in_mxfp4(self) -> None:
-        """Every sparse layer's experts held as MXFP4 blocks and scales (``SparseMoE.hold_mxfp4``): before loading an
-        MXFP4 checkpoint's own tensors."""
+    def hold_quantized_experts(self, form: str, block: tuple[int, int] | None = None) -> None:
+        """Every sparse layer's experts held as a quantized checkpoint stores them, before its tensors load: ``mxfp4``
+        blocks and scales (``SparseMoE.hold_mxfp4``) or ``fp8`` weights with a scale a ``block``
+        (``SparseMoE.hold_fp8``)."""
         for layer in self.layers:
-            if layer.moe is not None:
+            if layer.moe is None:
+                continue
+            if form == "mxfp4":
                 layer.moe.hold_mxfp4()
+            else:
+                assert form == "fp8" and block is not None
+                layer.moe.hold_fp8(block)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors, fusing q/k/v and gate/up as they arrive."""

@@ -143,16 +143,34 @@ def _gguf_weights(weights: Iterator[tuple[str, torch.Tensor]], path: Path) -> It
         raise ConfigError(f"--model {path}: not a GGUF file this reads ({type(e).__name__}: {e})") from None
 
 
-def holds_mxfp4(asked: bool | None, is_mxfp4: bool, device: torch.device, ranks: int) -> bool:
-    """Whether an (``is_mxfp4``) checkpoint's experts are held in MXFP4 (``load_model``'s ``experts_in_mxfp4``): as
-    ``asked``, or by default where the fused experts' kernels read them (CUDA with Triton, one rank: a rank's share of
-    the blocks is not cut). Asked of a checkpoint that is not MXFP4, or over ranks, it is refused."""
+def quantized_experts_form(quantized: object, arch: ModelArch) -> str | None:
+    """How a checkpoint's experts can be held as it stores them: ``mxfp4`` (gpt-oss's blocks and scales), ``fp8``
+    (e4m3 weights in blocks that tile every expert matrix: Qwen3-MoE's FP8 checkpoints), else None."""
+    if isinstance(quantized, Mxfp4Checkpoint):
+        return "mxfp4"
+    if not isinstance(quantized, QuantizedCheckpoint) or quantized.block is None or not arch.num_experts:
+        return None
+    rows, cols = quantized.block
+    inter, hidden = arch.moe_intermediate_size, arch.hidden_size
+    tiled = not (inter % rows or hidden % rows or inter % cols or hidden % cols)
+    return "fp8" if tiled and cols >= 16 else None  # (a tile of the kernel's product is 16 inputs at least)
+
+
+def holds_quantized_experts(asked: bool | None, form: str | None, device: torch.device, ranks: int) -> bool:
+    """Whether a checkpoint's experts are held as it stores them (``load_model``'s ``quantized_experts``; ``form``:
+    :func:`quantized_experts_form`'s): as ``asked``, or by default where the fused experts' kernels read them (CUDA
+    with Triton, one rank: a rank's share of the blocks is not cut). Asked of a checkpoint whose experts cannot be,
+    or over ranks, it is refused."""
     if asked is None:
-        return is_mxfp4 and device.type == "cuda" and ranks == 1 and importlib.util.find_spec("triton") is not None
-    if asked and not is_mxfp4:
-        raise ConfigError("experts are held in MXFP4 only from an MXFP4 checkpoint (gpt-oss's)")
+        triton = importlib.util.find_spec("triton") is not None
+        return form is not None and device.type == "cuda" and ranks == 1 and triton
+    if asked and form is None:
+        raise ConfigError(
+            "a checkpoint's experts are held as stored only from an MXFP4 checkpoint (gpt-oss's) or an FP8 one whose "
+            "blocks tile the experts"
+        )
     if asked and ranks > 1:
-        raise ConfigError("experts held in MXFP4 are not split over tensor-parallel ranks (they load dequantized)")
+        raise ConfigError("experts held quantized are not split over tensor-parallel ranks (they load dequantized)")
     return asked
 
 
@@ -362,7 +380,7 @@ def load_model(
     hf_overrides: Mapping[str, Any] | None = None,
     quantization: str | None = None,
     tensor_parallel: TensorParallel = ONE_DEVICE,
-    experts_in_mxfp4: bool | None = None,
+    quantized_experts: bool | None = None,
 ) -> LoadedModel:
     """Load a bundled model, a Hugging Face directory or a GGUF file onto ``device`` in ``dtype``.
 
@@ -373,9 +391,10 @@ def load_model(
     (:func:`hf_config`). ``quantization`` (``--quantization``): ``fp8`` holds the layers' matrices in e4m3
     (:mod:`boundless.model.fp8_linear`). ``tensor_parallel``: the rank of a model split over several devices whose
     network this is (:mod:`boundless.model.tensor_parallel`): its ``arch`` is the rank's share, ``full_arch`` the
-    model's. ``experts_in_mxfp4``: hold an MXFP4 checkpoint's experts (gpt-oss's) as its blocks and scales
-    (``SparseMoE.hold_mxfp4``) rather than dequantized; None: where the GPU path's kernels read them (on CUDA, with
-    Triton, one rank; ``load_configured_model`` asks False under ``--attention-backend torch``)."""
+    model's. ``quantized_experts``: hold a quantized checkpoint's experts as it stores them, gpt-oss's MXFP4 blocks
+    and scales or an FP8 checkpoint's e4m3 blocks (``SparseMoE.hold_mxfp4``, ``hold_fp8``), rather than dequantized;
+    None: where the GPU path's kernels read them (on CUDA, with Triton, one rank; ``load_configured_model`` asks
+    False under ``--attention-backend torch``)."""
     path = resolve_model_path(name)
     check_overrides(path, hf_overrides)
     dev = torch.device(device)
@@ -383,15 +402,15 @@ def load_model(
     torch_dtype = model_dtype(dtype, path, dev)
     check_quantization(quantization, dev, torch_dtype)
     parts_read = False  # (the tensors are the rank's parts already)
-    held_mxfp4 = False  # (an MXFP4 checkpoint's experts held as its blocks and scales)
+    held_form: str | None = None  # (how a quantized checkpoint's experts are held as stored: quantized_experts_form)
     generates = True
     spec, score = None, ScoreWeight()  # a classifier's, and its checkpoint's head (model/classifier.py)
     config_json: dict[str, Any] | None = None  # a directory's config.json, with the overrides (read once here)
     if path.is_file():
         from boundless.model.gguf import read_gguf
 
-        if experts_in_mxfp4:
-            raise ConfigError(f"--model {path}: a GGUF file's experts load dequantized, not held in MXFP4")
+        if quantized_experts:
+            raise ConfigError(f"--model {path}: a GGUF file's experts load dequantized, not held quantized")
         try:
             # (Each weight dequantized and cast as the model takes it: the file's weights are never all in memory.)
             gguf = read_gguf(path, dtype=torch_dtype)
@@ -418,8 +437,12 @@ def load_model(
             parts_read = True
         else:
             tensors = _safetensors_weights(path)
-        held_mxfp4 = holds_mxfp4(experts_in_mxfp4, isinstance(quantized, Mxfp4Checkpoint), dev, tensor_parallel.size)
-        if quantized is not None and not held_mxfp4:
+        held_form = quantized_experts_form(quantized, arch)
+        if not holds_quantized_experts(quantized_experts, held_form, dev, tensor_parallel.size):
+            held_form = None
+        if isinstance(quantized, QuantizedCheckpoint) and held_form == "fp8":  # (the experts' weights as they are)
+            tensors = quantized.dequantized(tensors, keep=lambda name: ".experts." in name)
+        elif quantized is not None and held_form is None:
             tensors = quantized.dequantized(tensors)
         spec = classifier_spec(config_json)
         if spec is not None and spec.from_tokens is None:
@@ -433,8 +456,9 @@ def load_model(
     with torch.device("meta"):
         model = LlamaModel(arch, vocab_rows(full_arch, tensor_parallel.size))
     model = model.to(torch_dtype)
-    if held_mxfp4:
-        model.hold_experts_in_mxfp4()
+    if held_form is not None:
+        assert quantized is not None  # (a form is a quantized checkpoint's)
+        model.hold_quantized_experts(held_form, getattr(quantized, "block", None))
     if dev.type == "cuda":
         check_fits(model, torch.cuda.mem_get_info(dev)[0], str(dev))
     model = model.to_empty(device=dev)  # allocated once, in the target dtype
@@ -494,12 +518,12 @@ def load_configured_model(config: ModelConfig, device: str | None = None, rank: 
     given), ``--hf-overrides``, ``--quantization``, and with ``--tensor-parallel-size`` rank ``rank``'s share (on
     CUDA the device ``rank`` places past the named one)."""
     tp = TensorParallel(rank, config.tensor_parallel_size)
-    # (MXFP4 experts are held where the fused experts' kernels read them: not under --attention-backend torch, whose
-    # layers would dequantize each chosen expert every step.)
-    mxfp4 = False if config.attention_backend == "torch" else None
+    # (Quantized experts are held as stored where the fused experts' kernels read them: not under
+    # --attention-backend torch, whose layers would dequantize each chosen expert every step.)
+    held = False if config.attention_backend == "torch" else None
     return load_model(
         config.model, config.dtype, rank_device(device or config.device, rank), hf_overrides=config.overrides,
-        quantization=config.quantization, tensor_parallel=tp, experts_in_mxfp4=mxfp4,
+        quantization=config.quantization, tensor_parallel=tp, quantized_experts=held,
     )  # fmt: skip
 
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from boundless.model.arch import ModelArch
-from boundless.model.fp8_linear import Fp8Stack, quantize_stack
+from boundless.model.fp8_linear import FP8, Fp8Stack, quantize_stack
 from boundless.model.mxfp4 import Mxfp4Stack
 
 if TYPE_CHECKING:
@@ -82,6 +82,7 @@ class SparseMoE(nn.Module):
         # hold_mxfp4; parameters gate_up_blocks, gate_up_scales, down_blocks and down_scales in their place) or "fp8"
         # (--quantization fp8: quantize_fp8; gate_up and down in e4m3, gate_up_scale and down_scale beside them).
         self.held: str | None = None
+        self.fp8_block = (1, 0)  # held in fp8: the block a scale covers (rows, inputs; 0 inputs: the whole row)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts [tokens, top_k] and their weights, as transformers' router computes them: a softmax
@@ -117,6 +118,24 @@ class SparseMoE(nn.Module):
             self.register_parameter(name, None)
         self.held = "mxfp4"
 
+    def hold_fp8(self, block: tuple[int, int]) -> None:
+        """Hold the experts' two stacks as an FP8 checkpoint stores them (Qwen3-MoE's): e4m3 weights, a scale each
+        ``block`` (rows, inputs) in ``gate_up_scale`` and ``down_scale``, gate's and up's scale rows stacked as their
+        rows are; half a 16-bit model's bytes, read by the GPU path's kernels as they are. Made on the meta device,
+        before the weights are allocated and loaded."""
+        if self.held is not None:
+            raise ValueError(f"the experts are held in {self.held} already")
+        rows, cols = block
+        if self.inter % rows or self.router.shape[1] % rows or self.inter % cols or self.router.shape[1] % cols:
+            raise ValueError(f"FP8 blocks of {rows} x {cols} do not tile the experts' matrices")
+        for name in ("gate_up", "down"):
+            weight = getattr(self, name)
+            experts, out, inputs = weight.shape
+            setattr(self, name, nn.Parameter(torch.empty_like(weight, dtype=FP8), requires_grad=False))
+            scales = torch.empty(experts, out // rows, inputs // cols, device=weight.device)
+            self.register_parameter(f"{name}_scale", nn.Parameter(scales, requires_grad=False))
+        self.held, self.fp8_block = "fp8", block
+
     def quantize_fp8(self) -> None:
         """``--quantization fp8``: the two stacks in e4m3 with a scale per expert's output row (vLLM's FP8 mixture
         holds them so too), half a 16-bit model's bytes, read by the GPU path's kernels as they are; dequantized an
@@ -135,7 +154,7 @@ class SparseMoE(nn.Module):
         if self.held == "mxfp4":
             return Mxfp4Stack(getattr(self, f"{name}_blocks"), getattr(self, f"{name}_scales"))
         if self.held == "fp8":
-            return Fp8Stack(getattr(self, name), getattr(self, f"{name}_scale"))
+            return Fp8Stack(getattr(self, name), getattr(self, f"{name}_scale"), self.fp8_block)
         return getattr(self, name)
 
     def expert(self, index: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -254,16 +273,20 @@ class SparseMoE(nn.Module):
             return self.gate_up, None
         if parts[1:] == ["down_proj"]:
             return self.down, None
-        if len(parts) != 4 or not parts[1].isdigit() or parts[3] != "weight":
+        scale = self.held == "fp8" and parts[3:] == ["weight_scale"]  # (an FP8 checkpoint's, held as stored)
+        if len(parts) != 4 or not parts[1].isdigit() or not (parts[3] == "weight" or scale):
             return None
         expert = int(parts[1])
         if expert >= self.router.shape[0]:
             return None
         names = self.names
-        rows = {names["gate"]: (0, self.inter), names["up"]: (self.inter, self.inter)}.get(parts[2])
+        inter = self.inter // self.fp8_block[0] if scale else self.inter  # (a scale's rows: one a block of rows)
+        suffix = "_scale" if scale else ""
+        gate_up, down = (getattr(self, f"{stack}{suffix}") for stack in ("gate_up", "down"))
+        rows = {names["gate"]: (0, inter), names["up"]: (inter, inter)}.get(parts[2])
         if rows is not None:
-            return self.gate_up[expert], rows
-        return (self.down[expert], None) if parts[2] == names["down"] else None
+            return gate_up[expert], rows
+        return (down[expert], None) if parts[2] == names["down"] else None
 
     def as_loaded(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A checkpoint tensor named ``name`` (below the block) in this layout: gpt-oss's stacked experts transposed,
@@ -297,6 +320,7 @@ class SparseMoE(nn.Module):
                 stacked = (*(name.removeprefix("experts.") for name in _MXFP4_PARAMETERS), *stacked[1::2])
             return ["router.weight", "router.bias", *(f"experts.{n}" for n in stacked)]
         names = ["gate.weight"]
+        leaves = ("weight", "weight_scale") if self.held == "fp8" else ("weight",)  # (held as an FP8 checkpoint stores)
         for e in range(self.router.shape[0]):
-            names += [f"experts.{e}.{self.names[m]}.weight" for m in ("gate", "up", "down")]
+            names += [f"experts.{e}.{self.names[m]}.{leaf}" for m in ("gate", "up", "down") for leaf in leaves]
         return names

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,9 +76,13 @@ class QuantizedCheckpoint:
             "and unquantized weights do"
         )
 
-    def dequantized(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    def dequantized(
+        self, weights: Iterator[tuple[str, torch.Tensor]], keep: Callable[[str], bool] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """``weights`` with each quantized weight in fp32 (its scale applied) and the scales themselves gone. A
-        weight and its scale may come in either order (they may lie in different files)."""
+        weight and its scale may come in either order (they may lie in different files). A weight ``keep`` names
+        (a mixture's experts, held as stored: ``SparseMoE.hold_fp8``) comes as it is, its scale beside it under
+        ``NAME.weight_scale`` whatever the checkpoint calls it."""
         waiting: dict[str, torch.Tensor] = {}  # a quantized weight's name -> its weight, or its scale, seen first
         for name, tensor in weights:
             if name.endswith(_DROPPED):
@@ -88,6 +92,9 @@ class QuantizedCheckpoint:
                 yield name, tensor
                 continue
             key = name if scale_of is None else scale_of + ".weight"
+            if keep is not None and keep(key):
+                yield (name, tensor) if scale_of is None else (key + "_scale", tensor.float())
+                continue
             other = waiting.pop(key, None)
             if other is None:
                 waiting[key] = tensor

@@ -50,28 +50,24 @@ def test_unpaired_or_misshapen_blocks_are_refused() -> None:
 
 def test_experts_are_held_in_mxfp4_where_the_kernels_read_them() -> None:
     """By default on CUDA with Triton and one rank (the fused experts' kernel reads the blocks), dequantized on the
-    CPU; asked of a checkpoint that is not MXFP4, or over ranks, refused in words."""
-    from boundless.model.loader import holds_mxfp4
+    CPU; asked of a checkpoint whose experts cannot be held as stored, or over ranks, refused in words."""
+    from boundless.model.loader import holds_quantized_experts as holds
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert not holds_mxfp4(None, True, cpu, 1)
-    assert (
-        holds_mxfp4(None, True, cuda, 1)
-        and not holds_mxfp4(None, True, cuda, 2)
-        and not holds_mxfp4(None, False, cuda, 1)
-    )
-    assert holds_mxfp4(True, True, cpu, 1) and not holds_mxfp4(False, True, cuda, 1)
+    assert not holds(None, "mxfp4", cpu, 1)
+    assert holds(None, "mxfp4", cuda, 1) and not holds(None, "mxfp4", cuda, 2) and not holds(None, None, cuda, 1)
+    assert holds(True, "mxfp4", cpu, 1) and not holds(False, "mxfp4", cuda, 1)
     with pytest.raises(ConfigError, match="only from an MXFP4 checkpoint"):
-        holds_mxfp4(True, False, cpu, 1)
+        holds(True, None, cpu, 1)
     with pytest.raises(ConfigError, match="tensor-parallel"):
-        holds_mxfp4(True, True, cuda, 2)
+        holds(True, "mxfp4", cuda, 2)
 
 
 def test_a_gguf_files_experts_are_not_held_in_mxfp4() -> None:
     from boundless.model.loader import load_model
 
     with pytest.raises(ConfigError, match="GGUF file's experts load dequantized"):
-        load_model("smollm2-135m", experts_in_mxfp4=True)
+        load_model("smollm2-135m", quantized_experts=True)
 
 
 def test_dequantized_in_float16_where_the_values_fit() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 
@@ -15,11 +16,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from boundless.attention import triton_paged
 from boundless.config import ConfigError
-from boundless.model.loader import load_model
+from boundless.engine.core import EngineCore
+from boundless.engine.sampling_params import SamplingParams
+from boundless.llm import engine_config
+from boundless.model.loader import LoadedModel, load_model
 from boundless.model.random_model import TinySpec, write_random_model
 
 FP8_MAX = 448.0
+TEST_DEVICE = os.environ.get("BOUNDLESS_TEST_DEVICE", "cpu")  # (conftest's)
+_ON_CPU = TEST_DEVICE == "cpu"
 
 
 def _quantize(w: torch.Tensor, scheme: str, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,11 +81,16 @@ SCHEMES = {
 }
 
 
-def _write_pair(root: Path, scheme: str, split: bool = False) -> tuple[Path, Path]:
-    """A random model written twice: its linear weights quantized by ``scheme`` (with ``split``, the scales in a file
-    read before the weights'), and dequantized in fp32 (no quantization_config)."""
-    source = write_random_model(root / "source", TinySpec(weight_std=0.3))
+def _write_pair(
+    root: Path, scheme: str, split: bool = False, spec: TinySpec | None = None, block_size: list[int] | None = None
+) -> tuple[Path, Path]:
+    """A random model (``spec``'s) written twice: its linear weights quantized by ``scheme`` (with ``split``, the
+    scales in a file read before the weights'; ``block_size``, the blocks' instead of 48 x 48), and dequantized in
+    fp32 (no quantization_config)."""
+    source = write_random_model(root / "source", spec or TinySpec(weight_std=0.3))
     quant, scale_name = SCHEMES[scheme]
+    if block_size is not None:
+        quant = {**quant, "weight_block_size": block_size}
     block = tuple(quant.get("weight_block_size", (48, 48)))
     quantized, reference = root / "fp8", root / "reference"
     for d in (quantized, reference):
@@ -156,3 +168,56 @@ def test_other_quantizations_are_refused_in_words(tmp_path: Path, quant: dict, s
     (root / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
     with pytest.raises(ConfigError, match=said):
         load_model(str(root))
+
+
+# Qwen3-MoE's FP8 checkpoints: every expert matrix e4m3 in blocks (128 x 128 there) that tile it.
+MOE = TinySpec(kind="qwen3_moe", weight_std=0.3, seed=4)
+
+
+def _greedy(loaded: LoadedModel, backend: str = "auto") -> list[list[int]]:
+    core = EngineCore.from_model(
+        loaded, engine_config(loaded.name, max_model_len=128, num_kv_blocks=32, attention_backend=backend)
+    )
+    prompts = [[5, 9, 13, 17, 21, 25], [7, 3, 11] * 5]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        core.add_request(str(i), prompt, params)
+    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while core.has_unfinished():
+        for delta in core.step():
+            out[delta.request_id].extend(delta.new_token_ids)
+    return list(out.values())
+
+
+@pytest.mark.parametrize("backend", ["auto", pytest.param("triton", marks=pytest.mark.slow if _ON_CPU else ())])
+def test_an_fp8_mixtures_experts_are_held_as_stored(tmp_path: Path, backend: str) -> None:
+    """An FP8 checkpoint's experts held as it stores them (``quantized_experts``: the default on CUDA): e4m3 bytes as
+    written, a scale a block, gate's and up's stacked; dequantized they are the reference's weights to the bit, and
+    the engine gives its tokens (on the native path, each expert dequantized as it is packed; in the Triton kernels,
+    each tile's product scaled as it sums). The other layers' weights load dequantized as before."""
+    quantized, reference = _write_pair(tmp_path, "block", spec=MOE, block_size=[16, 16])
+    held = load_model(str(quantized), device=TEST_DEVICE, quantized_experts=True)
+    plain = load_model(str(reference), device=TEST_DEVICE)
+    moe, want = held.model.layers[0].moe, plain.model.layers[0].moe
+    assert moe is not None and want is not None
+    assert moe.held == "fp8" and moe.fp8_block == (16, 16) and moe.gate_up.dtype == torch.float8_e4m3fn
+    assert moe.gate_up_scale.shape == (8, 2 * 32 // 16, 64 // 16)
+    stored = load_file(str(quantized / "model.safetensors"))["model.layers.0.mlp.experts.3.up_proj.weight"]
+    assert torch.equal(moe.gate_up[3, 32:].view(torch.uint8).cpu(), stored.view(torch.uint8))
+    for e in range(8):
+        gate_up, down = moe.expert(e, torch.float32)
+        assert torch.equal(gate_up, want.gate_up[e]) and torch.equal(down, want.down[e])
+    assert torch.equal(held.model.layers[1].qkv_weight, plain.model.layers[1].qkv_weight)
+    if backend == "triton" and not triton_paged.available(held.device):
+        pytest.skip("triton unavailable")
+    assert _greedy(held, backend) == _greedy(plain, backend)
+
+
+def test_fp8_experts_in_blocks_that_do_not_tile_them_load_dequantized(tmp_path: Path) -> None:
+    """Blocks of 48 do not tile 32-row experts: held as stored they cannot be (refused when asked), and by default
+    they load dequantized."""
+    quantized, _ = _write_pair(tmp_path, "block", spec=MOE)
+    with pytest.raises(ConfigError, match="held as stored only from"):
+        load_model(str(quantized), quantized_experts=True)
+    moe = load_model(str(quantized)).model.layers[0].moe
+    assert moe is not None and moe.held is None and moe.gate_up.dtype == torch.float32

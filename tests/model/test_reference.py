@@ -658,7 +658,7 @@ def test_gpt_oss_experts_held_in_mxfp4_match_transformers(
     device = ref.loaded.device
     if backend == "triton" and not triton_paged.available(device):
         pytest.skip("triton unavailable")
-    held = load_model(str(model_dirs["tiny-gpt-oss-mxfp4"]), device=device.type, experts_in_mxfp4=True)
+    held = load_model(str(model_dirs["tiny-gpt-oss-mxfp4"]), device=device.type, quantized_experts=True)
     moe = held.model.layers[0].moe
     assert moe is not None and moe.gate_up is None and moe.gate_up_blocks.dtype == torch.uint8
     num_experts, hidden = moe.router.shape
