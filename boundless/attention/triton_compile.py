@@ -115,16 +115,18 @@ def fp8_linear_jobs() -> list[CompileJob]:
 def fused_moe_jobs() -> list[CompileJob]:
     """A mixture's experts on the GPU path (``model/fused_moe.py``): a decode's tiles (few rows an expert) and a
     prefill's, with the biases and the routing weight, in bf16 and fp32, gpt-oss's experts read as MXFP4, and
-    ``--quantization fp8``'s experts read as e4m3 (sm_89 or later)."""
+    ``--quantization fp8``'s experts and an FP8 checkpoint's read as e4m3 (sm_89 or later)."""
     jobs = []
-    for name, weight, scales, dtype, (block_m, block_n, block_k), bias, routed in (
-        ("bf16/decode", "bf16", "bf16", "bf16", (16, 32, 64), False, False),
-        ("bf16/prefill-bias-routed", "bf16", "bf16", "bf16", (64, 64, 64), True, True),
-        ("fp32/decode", "fp32", "fp32", "fp32", (16, 32, 32), False, True),
-        ("mxfp4-bf16/decode-bias", "u8", "u8", "bf16", (16, 32, 64), True, False),
-        ("mxfp4-bf16/prefill-bias-routed", "u8", "u8", "bf16", (64, 64, 64), True, True),
-        ("fp8-bf16/decode", "fp8e4nv", "fp32", "bf16", (16, 32, 64), False, False),
-        ("fp8-bf16/prefill-routed", "fp8e4nv", "fp32", "bf16", (64, 64, 64), False, True),
+    for name, weight, scales, dtype, (block_m, block_n, block_k), bias, routed, scale_block in (
+        ("bf16/decode", "bf16", "bf16", "bf16", (16, 32, 64), False, False, (1, 0)),
+        ("bf16/prefill-bias-routed", "bf16", "bf16", "bf16", (64, 64, 64), True, True, (1, 0)),
+        ("fp32/decode", "fp32", "fp32", "fp32", (16, 32, 32), False, True, (1, 0)),
+        ("mxfp4-bf16/decode-bias", "u8", "u8", "bf16", (16, 32, 64), True, False, (1, 0)),
+        ("mxfp4-bf16/prefill-bias-routed", "u8", "u8", "bf16", (64, 64, 64), True, True, (1, 0)),
+        ("fp8-bf16/decode", "fp8e4nv", "fp32", "bf16", (16, 32, 64), False, False, (1, 0)),
+        ("fp8-bf16/prefill-routed", "fp8e4nv", "fp32", "bf16", (64, 64, 64), False, True, (1, 0)),
+        # (An FP8 checkpoint's experts, a scale a block of 128 x 128: Qwen3-30B-A3B-FP8's.)
+        ("fp8-blocks-bf16/decode", "fp8e4nv", "fp32", "bf16", (16, 32, 64), False, False, (128, 128)),
     ):
         ptr = f"*{dtype}"
         types = dict(
@@ -134,7 +136,8 @@ def fused_moe_jobs() -> list[CompileJob]:
             stride_se="i32", stride_sn="i32", stride_sk="i32", stride_be="i32", stride_om="i32",
         )  # fmt: skip
         consts = dict(
-            HAS_BIAS=bias, ROUTED=routed, MXFP4=weight == "u8", FP8=weight == "fp8e4nv", SCALE_N=1, SCALE_K=0,
+            HAS_BIAS=bias, ROUTED=routed, MXFP4=weight == "u8", FP8=weight == "fp8e4nv", SCALE_N=scale_block[0],
+            SCALE_K=scale_block[1],
             PRECISION="ieee" if dtype == "fp32" else None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         )  # fmt: skip
         kernel = (fused_moe.__name__, "_expert_product_kernel")
