@@ -253,8 +253,14 @@ def opened_in(prompt_tail: str) -> bool:
 
 
 def answered_in(prompt_tail: str) -> bool:
-    """Whether a prompt ending with ``prompt_tail`` opened the final message's body (the output is all answer)."""
-    return prompt_tail.rstrip().endswith(f"{CHANNEL}final{MESSAGE}")
+    """Whether a prompt ending with ``prompt_tail`` opened the final message's body (the output is all answer): its
+    header, ``<|channel|>final`` with perhaps `` <|constrain|>json`` after it, closed by ``<|message|>``."""
+    tail = prompt_tail.rstrip()
+    if not tail.endswith(MESSAGE):
+        return False
+    header = tail[: -len(MESSAGE)]
+    opened = header.rfind(f"{CHANNEL}final")
+    return opened >= 0 and all(tag not in header[opened + len(CHANNEL) :] for tag in (START, CHANNEL, MESSAGE, END))
 
 
 # -- calls in an answer ------------------------------------------------------------------------------------------------

@@ -96,8 +96,15 @@ class ReasoningParser:
 
     @property
     def answer_after(self) -> str:
-        """The tag after which the answer begins: a grammar of the answer begins after it."""
+        """The tag after which the answer begins: a grammar of the answer begins after it (and after
+        :attr:`answer_close` when there is one)."""
         return self.end
+
+    @property
+    def answer_close(self) -> str:
+        """The tag that closes the header :attr:`answer_after` opens, a few tokens on (``StructuredOutput
+        .after_close``); empty: the answer begins right after :attr:`answer_after`."""
+        return ""
 
     def opens_in_reasoning(self, prompt_tail: str) -> bool:
         """Whether an output of a prompt ending with ``prompt_tail`` starts inside the reasoning: not when the prompt
@@ -181,7 +188,8 @@ class HarmonyReasoningParser(ReasoningParser):
     the ``final`` messages' and preambles', and, with ``calls`` (:meth:`with_calls`), the function calls in the form
     ``tool_calls`` reads. The tags are special tokens. ``start`` and ``end`` are an analysis message's opening and end
     tag, which a thinking budget forces (the model then goes on to its answer or a call); an answer's grammar begins
-    after the final message's opening (:attr:`answer_after`, as vLLM's parser ends the reasoning there). A prompt
+    after the final message's header (:attr:`answer_after` to :attr:`answer_close`, whatever it holds between, as
+    vLLM's parser ends the reasoning there). A prompt
     that opened an analysis message's body starts the output inside the reasoning; one that opened the final
     message's closed it."""
 
@@ -195,7 +203,12 @@ class HarmonyReasoningParser(ReasoningParser):
 
     @property
     def answer_after(self) -> str:
-        return f"{harmony.CHANNEL}final{harmony.MESSAGE}"
+        return f"{harmony.CHANNEL}final"
+
+    @property
+    def answer_close(self) -> str:
+        # (The final message's header may hold more before its body: `` <|constrain|>json``.)
+        return harmony.MESSAGE
 
     def opens_in_reasoning(self, prompt_tail: str) -> bool:
         return harmony.opened_in(prompt_tail)

@@ -906,7 +906,8 @@ class OpenAIServer:
         return tuple(self.tokenizer.encode(tag, add_special_tokens=False))
 
     def _prompt_tail(self, prompt: list[int]) -> str:
-        return self.tokenizer.decode(prompt[-8:], skip_special_tokens=False)
+        # (Enough for a header: harmony's final one with `` <|constrain|>json`` in it, a tag a token or several.)
+        return self.tokenizer.decode(prompt[-16:], skip_special_tokens=False)
 
     def reasoning_opened(self, prompt: list[int]) -> bool:
         """Whether an output of ``prompt`` starts inside its reasoning (the template opened the think block)."""
@@ -929,7 +930,8 @@ class OpenAIServer:
             return structured
         if parser.closed_in(self._prompt_tail(prompt)):
             return structured
-        return dataclasses.replace(structured, after=self._tag_ids(parser.answer_after))
+        close = self._tag_ids(parser.answer_close) if parser.answer_close else ()
+        return dataclasses.replace(structured, after=self._tag_ids(parser.answer_after), after_close=close)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         check_common(body, self.tokenizer.vocab_size, self.client.max_logprobs)

@@ -127,7 +127,7 @@ class Sampler:
         rid = chunk.request_id
         if spec is None or not spec.after or rid in self._starts:
             return False
-        start = grammar_start(self._drawn_before(chunk, 0), spec.after)
+        start = grammar_start(self._drawn_before(chunk, 0), spec.after, spec.after_close)
         if start is None:
             return True
         self._starts[rid] = start

@@ -1150,7 +1150,9 @@ def _sure_tokens(chunk: ScheduledChunk) -> int:
 def _grammar_waits(request: Request) -> bool:
     """Whether the request's grammar begins after tokens its output does not hold yet (StructuredOutput.after)."""
     spec = request.sampling_params.structured
-    return spec is not None and bool(spec.after) and grammar_start(request.output_token_ids, spec.after) is None
+    if spec is None or not spec.after:
+        return False
+    return grammar_start(request.output_token_ids, spec.after, spec.after_close) is None
 
 
 def window_lengths(chosen: list[tuple[Request, int]], num_scheduler_steps: int) -> dict[str, int] | None:

@@ -61,12 +61,16 @@ class StructuredOutput:
     free text with parts held to formats, such as tool calls held to their schemas once the model begins one).
     ``param``: the request's field it came from, which errors name. ``after``: token ids that the grammar begins
     after (a reasoning model's end of thinking, ``</think>``): until the output holds them it is free, so the model
-    thinks first, as vLLM lets it; they are not part of the grammar, so one compilation serves every ``after``."""
+    thinks first, as vLLM lets it; they are not part of the grammar, so one compilation serves every ``after``.
+    ``after_close``: with it, the grammar begins past the first ``after_close`` within :data:`MAX_HEADER_TOKENS` of
+    ``after`` (a header whose middle varies: harmony's ``<|channel|>final``, perhaps `` <|constrain|>json``, then
+    ``<|message|>``, as vLLM's gpt-oss parser ends the reasoning)."""
 
     kind: StructuredKind
     definition: str | None = None
     param: str = field(default="response_format", compare=False)
     after: tuple[int, ...] = field(default=(), compare=False)
+    after_close: tuple[int, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -87,20 +91,42 @@ class StructuredOutput:
         return cls("choice", json.dumps(list(options), ensure_ascii=False), param)
 
 
-def grammar_start(outputs: Sequence[int], after: Sequence[int]) -> int | None:
+# The tokens a header may hold between ``after`` and ``after_close`` (StructuredOutput; vLLM's gpt-oss parser's 20).
+MAX_HEADER_TOKENS = 20
+
+
+def grammar_start(outputs: Sequence[int], after: Sequence[int], close: Sequence[int] = ()) -> int | None:
     """Where a grammar that begins ``after`` those tokens begins in ``outputs``: just past their first occurrence
-    (0 with no ``after``), or None while they have not occurred."""
+    (0 with no ``after``); with ``close``, just past the first ``close`` that follows an occurrence within
+    :data:`MAX_HEADER_TOKENS` tokens. None while they have not occurred."""
     if not after:
         return 0
-    first, n = after[0], len(after)
-    at = -1
+    at = 0
+    while (found := _find(outputs, after, at)) is not None:
+        end = found + len(after)
+        if not close:
+            return end
+        header = outputs[end : end + MAX_HEADER_TOKENS + len(close)]
+        closed = _find(header, close, 0)
+        if closed is not None:
+            return end + closed + len(close)
+        if len(header) < MAX_HEADER_TOKENS + len(close):
+            return None  # (the header may still close)
+        at = found + 1
+    return None
+
+
+def _find(outputs: Sequence[int], tokens: Sequence[int], start: int) -> int | None:
+    """The first index from ``start`` where ``tokens`` occur in ``outputs``, or None."""
+    first, n = tokens[0], len(tokens)
+    at = start - 1
     while True:
         try:
             at = outputs.index(first, at + 1)  # (a C scan: the thinking before the tag may be thousands of tokens)
         except ValueError:
             return None
-        if tuple(outputs[at : at + n]) == tuple(after):
-            return at + n
+        if tuple(outputs[at : at + n]) == tuple(tokens):
+            return at
 
 
 def _xgrammar(param: str) -> Any:

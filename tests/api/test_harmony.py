@@ -141,7 +141,8 @@ def test_the_tags_the_engine_acts_on() -> None:
     the analysis opening the output must begin with; an answer's grammar begins after the final message's opening
     (where vLLM's parser ends the reasoning); the tags are special tokens, kept in the decoded text."""
     assert GPT_OSS.start == "<|channel|>analysis<|message|>" and GPT_OSS.end == "<|end|>"
-    assert GPT_OSS.answer_after == "<|channel|>final<|message|>" and GPT_OSS.special_tags
+    assert GPT_OSS.answer_after == "<|channel|>final" and GPT_OSS.answer_close == "<|message|>" and GPT_OSS.special_tags
+    assert ReasoningParser.named("qwen3").answer_close == ""
     assert ReasoningParser.named("qwen3").answer_after == "</think>"
     assert GPT_OSS.ends_in_reasoning("<|channel|>analysis<|message|>cut", opened=False)
     assert not GPT_OSS.ends_in_reasoning(THINK_ANSWER, opened=False)
@@ -703,9 +704,10 @@ def test_served_a_thinking_budget_ends_the_analysis(calls_flag_alone: Served) ->
 
 
 def test_the_server_holds_a_grammar_and_a_budget_to_harmonys_tags(calls_flag_alone: Served) -> None:
-    """The grammar of an answer begins after ``<|channel|>final<|message|>`` (from the start when the prompt opened the
-    final message); a thinking budget forces ``<|end|>``, counted from the analysis opening the output begins with
-    (nothing when the prompt opened it)."""
+    """The grammar of an answer begins after the final message's header, ``<|channel|>final`` to ``<|message|>`` (from
+    the start when the prompt opened the final message, ``<|constrain|>json`` in its header or not); a thinking budget
+    forces ``<|end|>``, counted from the analysis opening the output begins with (nothing when the prompt opened
+    it)."""
     from boundless.api.server import OpenAIServer
     from boundless.engine.structured_output import StructuredOutput
 
@@ -717,9 +719,12 @@ def test_the_server_holds_a_grammar_and_a_budget_to_harmonys_tags(calls_flag_alo
 
     grammar = StructuredOutput("json_object", None, "response_format")
     prompt = list(ids("<|start|>user<|message|>Hi<|end|><|start|>assistant"))
-    assert server.after_reasoning(grammar, prompt).after == ids("<|channel|>final<|message|>")
-    answering = prompt + list(ids("<|channel|>final<|message|>"))
-    assert server.after_reasoning(grammar, answering).after == ()
+    held = server.after_reasoning(grammar, prompt)
+    assert (held.after, held.after_close) == (ids("<|channel|>final"), ids("<|message|>"))
+    for header in ("<|channel|>final<|message|>", "<|channel|>final <|constrain|>json<|message|>"):
+        assert server.after_reasoning(grammar, prompt + list(ids(header))).after == ()
+    analysing = prompt + list(ids("<|channel|>analysis<|message|>"))
+    assert server.after_reasoning(grammar, analysing).after == ids("<|channel|>final")
     budget = server.thinking_budget(6, prompt)
     assert budget is not None and (budget.end, budget.start) == (ids("<|end|>"), ids("<|channel|>analysis<|message|>"))
     opened = server.thinking_budget(6, prompt + list(ids("<|channel|>analysis<|message|>")))

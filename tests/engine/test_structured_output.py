@@ -404,6 +404,47 @@ def test_a_grammar_that_begins_after_given_tokens(tiny_llama: LoadedModel, windo
     assert out["never"] and out["never"] == free[: len(out["never"])]  # (free to end at EOS: no ignore_eos here)
 
 
+def test_a_grammar_that_begins_past_a_header(tiny_llama: LoadedModel) -> None:
+    """With ``after_close``, the grammar waits past the header ``after`` opens until its close (harmony's final
+    message, whose header may hold `` <|constrain|>json`` before ``<|message|>``): free until then, held after."""
+    tokenizer = tiny_llama.tokenizer
+    prompt = tokenizer.encode("Think first, then answer:")
+    free = _free_greedy(tiny_llama, prompt, 24)
+    # (The header: the free output's second token to its fifth, before the first end of sequence, its sixth.)
+    assert not set(free[:5]) & set(tiny_llama.tokenizer.eos_token_ids)
+    after, close = (free[1],), (free[4],)
+    at = next(i for i in range(len(free)) if free[i] == after[0])
+    end = next(i for i in range(at + 1, len(free)) if free[i] == close[0]) + 1
+    spec = StructuredOutput("regex", "[a-z]{6}", "structured_outputs", after=after, after_close=close)
+    core = _engine(tiny_llama)
+    core.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=24, structured=spec))
+    out: list[int] = []
+    while core.has_unfinished():
+        for delta in core.step():
+            out += delta.new_token_ids
+    assert out[:end] == free[:end]  # the header: free
+    assert re.fullmatch("[a-z]{6}", tokenizer.decode(out[end:])), tokenizer.decode(out[end:])
+
+
+def test_a_grammar_begins_past_the_header_that_closes_within_reach() -> None:
+    """``after_close`` (harmony's ``<|channel|>final`` ... ``<|message|>``): the grammar begins past the first close
+    within MAX_HEADER_TOKENS of an ``after``; while the header may still close it waits; an ``after`` whose header runs
+    past the reach is passed over for the next."""
+    from boundless.engine.structured_output import MAX_HEADER_TOKENS, grammar_start
+
+    after, close = (7, 8), (9,)
+    assert grammar_start([1, 7, 8, 9, 5], after) == 3  # (no close: right after)
+    assert grammar_start([1, 7, 8, 9, 5], after, close) == 4
+    assert grammar_start([1, 7, 8, 3, 4, 9, 5], after, close) == 6  # (a header with more in it: " <|constrain|>json")
+    assert grammar_start([1, 7, 8, 3, 4], after, close) is None  # (not closed yet)
+    far = [7, 8] + [3] * MAX_HEADER_TOKENS + [9]
+    assert grammar_start(far, after, close) == len(far)  # (just within reach)
+    too_far = [7, 8] + [3] * (MAX_HEADER_TOKENS + 1) + [9, 7, 8, 9, 5]
+    assert grammar_start(too_far, after, close) == len(too_far) - 1  # (the first header passed over)
+    assert grammar_start(too_far[: MAX_HEADER_TOKENS + 3], after, close) is None  # (out of reach, no other yet)
+    assert grammar_start([3, 9, 7, 8], after, close) is None  # (a close before the after does not count)
+
+
 def test_a_grammar_after_given_tokens_is_replayed_from_them(tiny_llama: LoadedModel) -> None:
     """A decode engine takes over a request whose thinking ended on the prefill engine: its matcher starts at the
     tokens after the end of thinking, not at the output's first."""
