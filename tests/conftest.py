@@ -164,6 +164,23 @@ TINY_SPECS = {
         tie_word_embeddings=True,
         no_rope_layer_interval=2,
     ),
+    # GLM-4.5: its first layer dense, then 8 experts in 4 groups (2 chosen), 2 a token by sigmoid scores corrected for
+    # the choice, weights scaled by 2.5, a shared expert beside them; q/k/v biases, head norms, RoPE on half of each
+    # head (rotate half); its multi-token prediction layer saved after the decoder's, read by neither model.
+    "tiny-glm4-moe": TinySpec(
+        kind="glm4_moe",
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        partial_rotary_factor=0.5,
+        moe_intermediate_size=32,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        use_qk_norm=True,
+        seed=21,
+    ),
     # Qwen3 with YaRN (factor 4 over an original 32 positions: most prompts run past it, where it interpolates).
     "tiny-qwen3-yarn": TinySpec(
         kind="qwen3",

@@ -10,7 +10,7 @@ from typing import Any
 
 SUPPORTED_ARCHITECTURES = (
     "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "granite", "glm4",
-    "gpt_oss", "smollm3",
+    "gpt_oss", "smollm3", "glm4_moe",
 )  # fmt: skip
 # The architectures that norm each query and key head before RoPE (ModelArch.qk_norm), whatever the file format.
 QK_NORM_ARCHITECTURES = ("qwen3", "qwen3_moe", "gemma3_text")
@@ -45,6 +45,22 @@ CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
         "head_dim": 128,
         "num_key_value_heads": 2,
         "rms_norm_eps": 1.5625e-07,
+    },
+    # (Glm4MoeConfig's: RoPE on half of each head, a shared expert beside 128 routed ones, 8 a token chosen by sigmoid
+    # scores in one group, the first layer dense.)
+    "glm4_moe": {
+        "partial_rotary_factor": 0.5,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 131072,
+        "moe_intermediate_size": 1408,
+        "num_experts_per_tok": 8,
+        "n_routed_experts": 128,
+        "n_shared_experts": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 1.0,
+        "first_k_dense_replace": 1,
+        "norm_topk_prob": True,
     },
     # (GptOssConfig's: YaRN over a 4,096-token original context to 131,072, every other layer a 128-token window from
     # the first, biases on every projection of attention.)
@@ -232,6 +248,13 @@ class ModelArch:
 
     SmolLM3 (``smollm3``): a Llama whose ``nope_layers`` rotate nothing (no positional encoding there: every 4th
     layer, or as its config's ``no_rope_layers`` says).
+
+    GLM-4.5 and 4.6 (``glm4_moe``): a mixture of experts after its first dense layers, DeepSeek-V3's: each expert's
+    score a sigmoid (``expert_score``), chosen by the score plus a learned correction (the router's
+    ``e_score_correction_bias``) among the best ``expert_groups_chosen`` of ``expert_groups`` groups, weighted by the
+    scores alone, renormalized, times ``routed_scaling_factor``; ``num_shared_experts`` experts' worth of a dense MLP
+    that every token takes beside them; q/k/v biases, perhaps Qwen3's head norms, RoPE on half of each head (rotate
+    half, as Phi-3's).
     """
 
     model_type: str
@@ -273,6 +296,11 @@ class ModelArch:
     swiglu_limit: float | None = None
     swiglu_alpha: float | None = None
     nope_layers: tuple[int, ...] = ()
+    num_shared_experts: int = 0
+    expert_score: str = "softmax"
+    expert_groups: int = 1
+    expert_groups_chosen: int = 1
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self) -> None:
         sizes = {
@@ -300,6 +328,15 @@ class ModelArch:
             raise ValueError(f"sliding_window must be a positive integer, not {self.sliding_window!r}")
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: {', '.join(ACTIVATIONS)}")
+        if self.expert_score not in ("softmax", "sigmoid"):
+            raise ValueError(f"expert_score must be softmax or sigmoid, not {self.expert_score!r}")
+        if self.num_experts and (
+            self.num_experts % self.expert_groups or not 0 < self.expert_groups_chosen <= self.expert_groups
+        ):
+            raise ValueError(
+                f"{self.num_experts} experts in {self.expert_groups} groups, {self.expert_groups_chosen} of them "
+                "chosen: the groups must split the experts evenly, and at least one be chosen"
+            )
         if (self.swiglu_limit is None) != (self.swiglu_alpha is None):
             raise ValueError("swiglu_limit and swiglu_alpha go together (gpt-oss's clamped SwiGLU): both or neither")
         if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
@@ -403,6 +440,11 @@ class ModelArch:
         for name in ("o_bias", "attention_sinks"):
             if not fields[name]:
                 del fields[name]
+        defaults = {"num_shared_experts": 0, "expert_score": "softmax", "expert_groups": 1, "expert_groups_chosen": 1,
+                    "routed_scaling_factor": 1.0}  # fmt: skip
+        for name, default in defaults.items():
+            if fields[name] == default:
+                del fields[name]
         for name, default in (("hidden_act", "silu"), *((n, 1.0) for n in ones), *((n, None) for n in later)):
             if fields[name] == default:
                 del fields[name]
@@ -443,7 +485,7 @@ class ModelArch:
         if kind not in ROPE_SCALINGS:
             raise ValueError(f"unsupported rope scaling type {kind!r} (supported: {', '.join(ROPE_SCALINGS)})")
         partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
-        if partial != 1.0 and model_type not in ("phi3", "glm4"):  # (transformers' others here rotate whole heads)
+        if partial != 1.0 and model_type not in ("phi3", "glm4", "glm4_moe"):  # (the others rotate whole heads)
             raise ValueError(f"RoPE on part of each head (partial_rotary_factor) is not supported for {model_type}")
         if kind == "longrope" and model_type != "phi3":
             raise ValueError(f"longrope RoPE scaling is Phi-3's; not supported for {model_type}")
@@ -531,14 +573,27 @@ class ModelArch:
         # (transformers 5 saves Qwen3-MoE's num_experts as num_local_experts, Mixtral's name, which it maps it to.)
         qwen3_experts = cfg.get("num_experts") or cfg.get("num_local_experts")
         local_experts = int(cfg.get("num_local_experts") or 0)
-        experts_by_type = {"qwen3_moe": int(qwen3_experts or 0), "mixtral": local_experts, "gpt_oss": local_experts}
+        glm_experts = int(cfg.get("n_routed_experts") or cfg.get("num_local_experts") or 0)
+        experts_by_type = {
+            "qwen3_moe": int(qwen3_experts or 0), "mixtral": local_experts, "gpt_oss": local_experts,
+            "glm4_moe": glm_experts,
+        }  # fmt: skip
         if model_type == "gpt_oss" and cfg.get("num_experts"):  # (GptOssConfig's alias of num_local_experts)
             experts_by_type["gpt_oss"] = int(cfg["num_experts"])
         experts = experts_by_type.get(model_type, 0)
-        expert_size = cfg.get("moe_intermediate_size") if model_type == "qwen3_moe" else cfg.get("intermediate_size")
+        glm = model_type == "glm4_moe"
+        expert_key = "moe_intermediate_size" if model_type in ("qwen3_moe", "glm4_moe") else "intermediate_size"
+        expert_size = cfg.get(expert_key)
         step = int(cfg.get("decoder_sparse_step") or 1)
         dense = set(cfg.get("mlp_only_layers") or ())
+        if glm:  # (Glm4MoeConfig's: the first first_k_dense_replace layers dense, the rest sparse)
+            dense = set(range(int(cfg["first_k_dense_replace"] or 0)))
         sparse = tuple(i for i in range(num_layers) if experts and i not in dense and (i + 1) % step == 0)
+        routing: dict[str, Any] = {
+            "num_shared_experts": int(cfg["n_shared_experts"] or 0), "expert_score": "sigmoid",
+            "expert_groups": int(cfg["n_group"] or 1), "expert_groups_chosen": int(cfg["topk_group"] or 1),
+            "routed_scaling_factor": float(cfg["routed_scaling_factor"] or 1.0),
+        } if glm and experts else {}  # fmt: skip
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -552,13 +607,14 @@ class ModelArch:
             rope_theta=float(theta),
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or (model_type in ("glm4", "gpt_oss") and bool(cfg.get("attention_bias"))),
+            qkv_bias=model_type == "qwen2"
+            or (model_type in ("glm4", "gpt_oss", "glm4_moe") and bool(cfg.get("attention_bias"))),
             o_bias=model_type == "gpt_oss" and bool(cfg.get("attention_bias")),
             attention_sinks=model_type == "gpt_oss",
             swiglu_limit=float(cfg["swiglu_limit"]) if model_type == "gpt_oss" else None,
             swiglu_alpha=float(cfg["swiglu_alpha"]) if model_type == "gpt_oss" else None,
             nope_layers=nope,
-            qk_norm=model_type in QK_NORM_ARCHITECTURES,
+            qk_norm=model_type in QK_NORM_ARCHITECTURES or (glm and bool(cfg.get("use_qk_norm"))),
             num_experts=experts,
             num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
             moe_intermediate_size=int(expert_size or 0) if experts else 0,
@@ -577,6 +633,7 @@ class ModelArch:
             attn_logit_softcap=float(attn_cap) if attn_cap else None,
             final_logit_softcap=float(final_cap) if final_cap else None,
             partial_rotary_factor=partial,
+            **routing,
             **(_granite_multipliers(cfg) if model_type == "granite" else {}),
         )
 

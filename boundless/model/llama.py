@@ -854,6 +854,8 @@ class LlamaModel(nn.Module):
         for name, tensor in weights:
             if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
                 continue  # derived buffers, and a tied head saved beside its embedding
+            if self._is_prediction_layer(name):
+                continue  # (GLM-4.5's multi-token prediction layers: drafts this engine does not take from them)
             if name.endswith(".bias") and name not in expected and not tensor.any():
                 continue  # (a zero bias adds nothing: AutoGPTQ saves one beside every layer it packs, Llama's too)
             target, rows = self._target(name, offsets, mlp_offsets)
@@ -869,6 +871,13 @@ class LlamaModel(nn.Module):
         missing = expected - seen
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
+
+    def _is_prediction_layer(self, name: str) -> bool:
+        """Whether ``name`` is a tensor of the layers GLM-4.5 saves past its decoder's (``num_nextn_predict_layers``:
+        its multi-token prediction, which transformers and vLLM's model leave unread too)."""
+        parts = name.split(".", 3)
+        layer = parts[2] if len(parts) > 3 and parts[:2] == ["model", "layers"] else ""
+        return self.arch.model_type == "glm4_moe" and layer.isdigit() and int(layer) >= self.arch.num_layers
 
     def _as_loaded(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A checkpoint tensor as this model holds it: Gemma's norm weights with the one its norms add, in fp32 (they

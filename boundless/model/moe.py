@@ -72,6 +72,17 @@ class SparseMoE(nn.Module):
         self.down_bias = nn.Parameter(torch.zeros(experts, hidden)) if biased else None
         self.swiglu_limit = arch.swiglu_limit
         self.swiglu_alpha = arch.swiglu_alpha
+        # GLM-4.5's (DeepSeek-V3's routing): sigmoid scores, each expert's correction of its score for choosing it
+        # (held in fp32 whatever the model's type, as transformers holds it), groups of experts, a scale of the
+        # weights; and its shared experts, a dense MLP every token takes beside the routed ones.
+        self.expert_score = arch.expert_score
+        self.groups, self.groups_chosen = arch.expert_groups, arch.expert_groups_chosen
+        self.routed_scaling_factor = arch.routed_scaling_factor
+        self.score_bias = nn.Parameter(torch.zeros(experts)) if arch.expert_score == "sigmoid" else None
+        shared = arch.num_shared_experts * inter
+        self.shared_gate_up = nn.Parameter(torch.empty(2 * shared, hidden)) if shared else None
+        self.shared_down = nn.Parameter(torch.empty(hidden, shared)) if shared else None
+        self.packed_shared: tuple[PackedWeight, PackedWeight] | None = None
         # On the CPU in fp32 (LlamaModel.prepare): the router packed for the native kernel, whose product gives a row
         # the same logits whatever rows share its step (PyTorch's CPU product sums a lone row otherwise: its experts'
         # weights, and even its experts, changed with the batch).
@@ -84,19 +95,67 @@ class SparseMoE(nn.Module):
         self.held: str | None = None
         self.fp8_block = (1, 0)  # held in fp8: the block a scale covers (rows, inputs; 0 inputs: the whole row)
 
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> SparseMoE:
+        before = None if self.score_bias is None else self.score_bias.data
+        super()._apply(fn, recurse)
+        if before is not None and self.score_bias is not None and self.score_bias.dtype != torch.float32:
+            self.score_bias.data = before.to(self.score_bias.device)  # (the model cast to its type: this only moves)
+        return self
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts [tokens, top_k] and their weights, as transformers' router computes them: a softmax
-        in fp32 over the router's logits, the top k, renormalized to sum to one with ``norm_topk_prob``."""
+        in fp32 over the router's logits, the top k, renormalized to sum to one with ``norm_topk_prob``; or GLM-4.5's
+        sigmoid scores (:meth:`_sigmoid_route`)."""
         packed = self.packed_router
         if packed is not None and x.device.type == "cpu" and x.dtype == torch.float32:
             logits = packed.matmul(x if x.dim() == 2 and x.stride(1) == 1 else x.reshape(-1, x.shape[-1]).contiguous())
+        elif self.score_bias is not None:  # (GLM-4.5's router runs in fp32, as transformers runs it)
+            logits = F.linear(x.float(), self.router.float())
         else:
             logits = F.linear(x, self.router, self.router_bias)
+        if self.score_bias is not None:
+            return self._sigmoid_route(logits, x.dtype)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights /= weights.sum(dim=-1, keepdim=True)
         return experts, weights.to(x.dtype)
+
+    def _sigmoid_route(self, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """GLM-4.5's (DeepSeek-V3's) choice, as transformers' Glm4MoeTopkRouter makes it: sigmoid scores; each group's
+        worth its two best corrected scores (score plus ``score_bias``), the best ``groups_chosen`` groups kept; the
+        top k corrected scores among them; their plain scores renormalized (``norm_topk_prob``) and scaled by
+        ``routed_scaling_factor``."""
+        assert self.score_bias is not None
+        scores = logits.float().sigmoid()
+        choice = scores + self.score_bias
+        if self.groups > 1:
+            per_group = choice.shape[-1] // self.groups
+            group_scores = choice.view(-1, self.groups, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+            kept = torch.topk(group_scores, self.groups_chosen, dim=-1, sorted=False)[1]
+            mask = torch.zeros_like(group_scores).scatter_(1, kept, 1).bool().repeat_interleave(per_group, dim=1)
+            choice = choice.masked_fill(~mask, float("-inf"))
+        experts = torch.topk(choice, self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, experts)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return experts, (weights * self.routed_scaling_factor).to(dtype)
+
+    def shared(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor | None:
+        """The shared experts' output for rows ``x`` (None without them): a SiLU-gated MLP, on the native kernels
+        where packed (:meth:`pack`), in one Triton kernel's activation on the GPU path (``fused``)."""
+        if self.shared_gate_up is None or self.shared_down is None:
+            return None
+        packed = self.packed_shared
+        if packed is not None and not fused and x.device.type == "cpu" and x.dtype == torch.float32:
+            return packed[1].matmul(packed[0].matmul(x.contiguous()))
+        gate_up = F.linear(x, self.shared_gate_up)
+        if fused:
+            from boundless.model import triton_ops
+
+            return F.linear(triton_ops.silu_mul(gate_up), self.shared_down)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.shared_down)
 
     def hold_mxfp4(self) -> None:
         """Hold the experts' two stacks as MXFP4 blocks and scales (uint8 ``[experts, out, in / 32, 16]`` and
@@ -189,7 +248,11 @@ class SparseMoE(nn.Module):
 
         glu, hidden = self.glu_epilogue, self.router.shape[1]
         each = PackedWeight.packed_size((2 * self.inter, hidden), glu) + PackedWeight.packed_size((hidden, self.inter))
-        return self.router.shape[0] * each
+        shared = 0
+        if self.shared_gate_up is not None and self.shared_down is not None:
+            shared = PackedWeight.packed_size(self.shared_gate_up.shape, True)
+            shared += PackedWeight.packed_size(self.shared_down.shape)
+        return self.router.shape[0] * each + shared
 
     def pack(
         self, storage: Callable[[torch.Tensor, bool], torch.Tensor] | None = None
@@ -202,6 +265,8 @@ class SparseMoE(nn.Module):
             return PackedWeight(weight, bias, glu=glu, storage=None if storage is None else storage(weight, glu))
 
         self.packed_router = PackedWeight(self.router, self.router_bias)
+        if self.shared_gate_up is not None and self.shared_down is not None:
+            self.packed_shared = (packed(self.shared_gate_up, None, True), packed(self.shared_down, None))
         gate_up_bias, down_bias = self.gate_up_bias, self.down_bias
         packed_experts = []
         for e in range(self.router.shape[0]):
@@ -238,7 +303,8 @@ class SparseMoE(nn.Module):
                 y = F.linear(self.activate(halves), down_weight, None if down_bias is None else down_bias[expert])
             out.index_add_(0, rows, y * picked[start : start + count, None])
             start += count
-        return out
+        shared = self.shared(x)
+        return out if shared is None else out + shared
 
     def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
         """:meth:`forward` on the GPU path (and in Triton's interpreter): the experts' two products each one launch,
@@ -248,9 +314,11 @@ class SparseMoE(nn.Module):
         experts, weights = self.route(x)
         activate = triton_ops.silu_mul if self.swiglu_limit is None else self.activate  # (one kernel for SiLU * up)
         biases = self.gate_up_bias, self.down_bias
-        return fused_moe.expert_products(
+        out = fused_moe.expert_products(
             x, experts, weights, self.stack("gate_up"), self.stack("down"), activate, *biases
         )
+        shared = self.shared(x, fused=True)
+        return out if shared is None else out + shared
 
     def target(self, name: str) -> tuple[torch.Tensor, tuple[int, int] | None] | None:
         """Where a checkpoint tensor named ``name`` (below the layer's :attr:`block`) goes: (the parameter, or one
@@ -258,6 +326,14 @@ class SparseMoE(nn.Module):
         parts = name.split(".")
         if parts == ["gate", "weight"]:
             return self.router, None
+        if parts == ["gate", "e_score_correction_bias"] and self.score_bias is not None:
+            return self.score_bias, None
+        if parts[0] == "shared_experts" and self.shared_gate_up is not None and parts[2:] == ["weight"]:
+            shared = self.shared_gate_up.shape[0] // 2
+            rows = {"gate_proj": (0, shared), "up_proj": (shared, shared)}.get(parts[1])
+            if rows is not None:
+                return self.shared_gate_up, rows
+            return (self.shared_down, None) if parts[1] == "down_proj" and self.shared_down is not None else None
         biases = {
             "router.bias": self.router_bias, "experts.gate_up_proj_bias": self.gate_up_bias,
             "experts.down_proj_bias": self.down_bias,
@@ -320,6 +396,10 @@ class SparseMoE(nn.Module):
                 stacked = (*(name.removeprefix("experts.") for name in _MXFP4_PARAMETERS), *stacked[1::2])
             return ["router.weight", "router.bias", *(f"experts.{n}" for n in stacked)]
         names = ["gate.weight"]
+        if self.score_bias is not None:
+            names.append("gate.e_score_correction_bias")
+        if self.shared_gate_up is not None:
+            names += [f"shared_experts.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")]
         leaves = ("weight", "weight_scale") if self.held == "fp8" else ("weight",)  # (held as an FP8 checkpoint stores)
         for e in range(self.router.shape[0]):
             names += [f"experts.{e}.{self.names[m]}.{leaf}" for m in ("gate", "up", "down") for leaf in leaves]

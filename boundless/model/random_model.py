@@ -89,6 +89,14 @@ class TinySpec:
     mxfp4: bool = False
     # SmolLM3's layer without RoPE every this many.
     no_rope_layer_interval: int = 4
+    # GLM-4.5's: its first dense layers, shared experts, groups of experts (and those chosen), the routed weights'
+    # scale, Qwen3's head norms or not.
+    first_k_dense_replace: int = 1
+    n_shared_experts: int = 1
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    use_qk_norm: bool = False
 
 
 def _train_tokenizer(vocab_size: int):
@@ -147,6 +155,7 @@ _ARCHITECTURES = {
     "glm4": "Glm4ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
 }
 _GEMMA = ("gemma2", "gemma3_text")
 
@@ -162,6 +171,7 @@ _GPT_OSS_YARN = {
 _EXPERT_NAMES = {
     "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
     "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+    "glm4_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
 }
 
 
@@ -262,6 +272,23 @@ def _config(spec: TinySpec) -> dict:
         cfg.update(
             no_rope_layer_interval=spec.no_rope_layer_interval, attention_bias=False, mlp_bias=False, pad_token_id=0
         )
+    if spec.kind == "glm4_moe":
+        cfg.update(
+            partial_rotary_factor=spec.partial_rotary_factor,
+            attention_bias=True,
+            use_qk_norm=spec.use_qk_norm,
+            moe_intermediate_size=spec.moe_intermediate_size,
+            n_routed_experts=spec.num_experts,
+            num_experts_per_tok=spec.num_experts_per_tok,
+            n_shared_experts=spec.n_shared_experts,
+            n_group=spec.n_group,
+            topk_group=spec.topk_group,
+            routed_scaling_factor=spec.routed_scaling_factor,
+            first_k_dense_replace=spec.first_k_dense_replace,
+            norm_topk_prob=True,
+            num_nextn_predict_layers=1,
+            pad_token_id=0,
+        )
     if spec.kind == "mixtral":  # (its intermediate_size is each expert's)
         cfg.update(
             intermediate_size=spec.moe_intermediate_size,
@@ -308,14 +335,22 @@ def random_weights(spec: TinySpec, device: str | torch.device = "cpu") -> Iterat
         if spec.kind == "gpt_oss":
             yield p + "self_attn.o_proj.bias", rand(h)
             yield p + "self_attn.sinks", rand(spec.num_heads) * 4  # (some heads then give their sink most weight)
-        if spec.kind in ("qwen2", "glm4", "gpt_oss"):
+        if spec.kind in ("qwen2", "glm4", "gpt_oss", "glm4_moe"):
             yield p + "self_attn.q_proj.bias", rand(q)
             yield p + "self_attn.k_proj.bias", rand(kv)
             yield p + "self_attn.v_proj.bias", rand(kv)
-        if spec.kind in ("qwen3", "qwen3_moe", "gemma3_text"):
+        if spec.kind in ("qwen3", "qwen3_moe", "gemma3_text") or (spec.kind == "glm4_moe" and spec.use_qk_norm):
             yield p + "self_attn.q_norm.weight", norm(head_dim)
             yield p + "self_attn.k_norm.weight", norm(head_dim)
-        if spec.kind in _EXPERT_NAMES and layer not in spec.mlp_only_layers:
+        dense = layer in spec.mlp_only_layers or (spec.kind == "glm4_moe" and layer < spec.first_k_dense_replace)
+        if spec.kind == "glm4_moe" and not dense:
+            m = spec.moe_intermediate_size * spec.n_shared_experts
+            # (Each expert's correction of its score for choosing it, saved in fp32: about the sigmoid scores' size.)
+            yield p + "mlp.gate.e_score_correction_bias", torch.rand(spec.num_experts, generator=g, device=device) * 0.5
+            yield p + "mlp.shared_experts.gate_proj.weight", rand(m, h)
+            yield p + "mlp.shared_experts.up_proj.weight", rand(m, h)
+            yield p + "mlp.shared_experts.down_proj.weight", rand(h, m)
+        if spec.kind in _EXPERT_NAMES and not dense:
             block, gate, up, down = _EXPERT_NAMES[spec.kind]
             m = spec.moe_intermediate_size
             yield p + f"{block}.gate.weight", rand(spec.num_experts, h)
@@ -340,6 +375,10 @@ def random_weights(spec: TinySpec, device: str | torch.device = "cpu") -> Iterat
         if spec.kind == "glm4":
             yield p + "post_self_attn_layernorm.weight", norm(h)
             yield p + "post_mlp_layernorm.weight", norm(h)
+    if spec.kind == "glm4_moe":  # (its multi-token prediction layer, saved after the decoder's: read by neither model)
+        p = f"model.layers.{spec.num_layers}."
+        yield p + "eh_proj.weight", rand(h, 2 * h)
+        yield p + "enorm.weight", norm(h)
 
 
 def _gpt_oss_experts(

@@ -524,3 +524,69 @@ def test_projection_biases_are_transformers_or_refused(model_type: str, field: s
             ModelArch.from_hf_config(cfg)
         return
     assert ModelArch.from_hf_config(cfg).qkv_bias == (q.bias is not None)
+
+
+# A GLM-4.5-Air-shaped config.json (46 layers, 128 experts of 1,408, 8 a token, a shared expert, the first layer dense,
+# q/k/v biases, RoPE on half of each 128-wide head), and GLM-4.5's differences (groups, a scale, head norms).
+GLM45_AIR = {
+    "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "attention_bias": True, "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 4096, "partial_rotary_factor": 0.5, "intermediate_size": 10944,
+    "max_position_embeddings": 131072, "moe_intermediate_size": 1408, "norm_topk_prob": True,
+    "num_attention_heads": 96, "n_group": 1, "topk_group": 1, "n_routed_experts": 128, "n_shared_experts": 1,
+    "routed_scaling_factor": 1.0, "num_experts_per_tok": 8, "first_k_dense_replace": 1, "num_hidden_layers": 46,
+    "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 1000000, "num_nextn_predict_layers": 1,
+    "tie_word_embeddings": False, "use_qk_norm": False, "vocab_size": 151552, "eos_token_id": [151329, 151336, 151338],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        {"n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "use_qk_norm": True, "first_k_dense_replace": 3},
+    ],
+)
+def test_glm4_moe_reads_as_transformers_does(changes: dict) -> None:
+    """GLM-4.5's config as transformers' Glm4MoeConfig reads it: its routed and shared experts, groups, scale, dense
+    first layers, biases, head norms and half-rotated heads; the router's correction held in fp32 in a bf16 model."""
+    from transformers import Glm4MoeConfig
+
+    from boundless.model.llama import LlamaModel
+
+    cfg = {**GLM45_AIR, **changes}
+    arch = ModelArch.from_hf_config(cfg)
+    theirs = Glm4MoeConfig(**cfg)
+    assert (arch.num_experts, arch.num_experts_per_tok) == (theirs.n_routed_experts, theirs.num_experts_per_tok)
+    assert (arch.moe_intermediate_size, arch.num_shared_experts) == (
+        theirs.moe_intermediate_size,
+        theirs.n_shared_experts,
+    )
+    assert (arch.expert_groups, arch.expert_groups_chosen) == (theirs.n_group, theirs.topk_group)
+    assert arch.routed_scaling_factor == theirs.routed_scaling_factor and arch.expert_score == "sigmoid"
+    assert arch.sparse_layers == tuple(range(theirs.first_k_dense_replace, 46)) and arch.norm_topk_prob
+    assert arch.qkv_bias and not arch.o_bias and arch.qk_norm == theirs.use_qk_norm
+    assert arch.rotary_dim == 64 and arch.head_dim == 128 and arch.rope_theta == 1e6
+    small = ModelArch.from_hf_config(
+        {
+            **cfg,
+            "num_hidden_layers": 2,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "first_k_dense_replace": 1,
+            "n_group": 1,
+            "topk_group": 1,
+        }
+    )
+    with torch.device("meta"):
+        model = LlamaModel(small).to(torch.bfloat16)
+    moe = model.layers[1].moe
+    assert moe is not None and moe.score_bias is not None and moe.score_bias.dtype == torch.float32
+    assert (
+        moe.router.dtype == torch.bfloat16
+        and moe.shared_gate_up is not None
+        and moe.shared_gate_up.shape == (2816, 4096)
+    )
+    assert (
+        ModelArch.from_hf_config(cfg).fingerprint()
+        != ModelArch.from_hf_config({**cfg, "routed_scaling_factor": 3.0}).fingerprint()
+    )

@@ -165,7 +165,16 @@ GREEDY_PARAMS = [
 
 @pytest.mark.parametrize(
     "name",
-    ["tiny-mixtral", "tiny-phi3", "tiny-qwen3-yarn", "tiny-granite", "tiny-glm4", "tiny-gpt-oss-mxfp4", "tiny-smollm3"],
+    [
+        "tiny-mixtral",
+        "tiny-phi3",
+        "tiny-qwen3-yarn",
+        "tiny-granite",
+        "tiny-glm4",
+        "tiny-gpt-oss-mxfp4",
+        "tiny-smollm3",
+        "tiny-glm4-moe",
+    ],
 )
 def test_more_architectures_greedy_match_transformers(
     name: str, load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]
@@ -252,6 +261,7 @@ TRITON_MODELS = [
     # slow suite on the CPU.)
     pytest.param("tiny-gpt-oss", marks=pytest.mark.slow if _ON_CPU else ()),
     pytest.param("tiny-smollm3", marks=pytest.mark.slow if _ON_CPU else ()),
+    pytest.param("tiny-glm4-moe", marks=pytest.mark.slow if _ON_CPU else ()),  # (its routing on the GPU path)
     "smollm2-135m",
 ]
 
@@ -287,6 +297,7 @@ FLEX_MODELS = [
     "tiny-glm4",
     "tiny-gpt-oss",
     "tiny-smollm3",
+    "tiny-glm4-moe",
     pytest.param("smollm2-135m", marks=pytest.mark.slow),
 ]
 
@@ -673,6 +684,47 @@ def _held(ref: Reference, loaded: LoadedModel) -> Reference:
     other = copy.copy(ref)
     other.loaded = loaded
     return other
+
+
+@pytest.mark.parametrize("part", [None, "score_bias", "groups", "scaling", "shared"])
+def test_each_part_of_glm4_moes_routing_counts(
+    part: str | None, load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]
+) -> None:
+    """GLM-4.5's per-step logits are transformers' (sigmoid scores, the choice's correction, groups, the weights'
+    scale, the shared expert); without the correction, with one group, unscaled or without the shared expert they
+    are not."""
+    ref = _reference("tiny-glm4-moe", load, hf_model)
+    assert sum(len(set(tokens)) for tokens in ref.tokens) > 3 * len(ref.tokens)  # (not one token over and over)
+    if part is None:
+        _check_per_step_logits(ref)
+        return
+    mixtures = [layer.moe for layer in ref.loaded.model.layers if layer.moe is not None]
+    assert len(mixtures) == 2  # (the first layer dense)
+    saved = [
+        (m.score_bias.detach().clone(), m.groups, m.routed_scaling_factor, m.shared_down.detach().clone())
+        for m in mixtures
+    ]  # type: ignore[union-attr]
+    try:
+        with torch.no_grad():
+            for m in mixtures:
+                if part == "score_bias":
+                    m.score_bias.zero_()  # type: ignore[union-attr]
+                elif part == "groups":
+                    m.groups = 1
+                elif part == "scaling":
+                    m.routed_scaling_factor = 1.0
+                else:
+                    m.shared_down.zero_()  # type: ignore[union-attr]
+        ref.loaded.model._packed_key = None  # (packed again from the changed weights)
+        with pytest.raises(AssertionError, match="largest logit difference"):
+            _check_per_step_logits(ref)
+    finally:
+        with torch.no_grad():
+            for m, (bias, groups, scaling, shared) in zip(mixtures, saved, strict=True):
+                m.score_bias.copy_(bias)  # type: ignore[union-attr]
+                m.groups, m.routed_scaling_factor = groups, scaling
+                m.shared_down.copy_(shared)  # type: ignore[union-attr]
+        ref.loaded.model._packed_key = None
 
 
 def test_smollm3s_layer_without_rope_counts(load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]) -> None:
