@@ -750,7 +750,7 @@ class ServerConfig:
     reasoning_parser: str | None = field(
         default=None,
         metadata={
-            "help": "deepseek_r1 or qwen3 (<think>...</think>), mistral ([THINK]...[/THINK]), openai_gptoss "
+            "help": "deepseek_r1, qwen3 or glm45 (<think>...</think>), mistral ([THINK]...[/THINK]), openai_gptoss "
             "(gpt-oss's harmony messages: its analysis channel): return a reasoning model's thinking as the message's "
             "reasoning, apart from its content (vLLM's flag)"
         },
@@ -784,7 +784,8 @@ class ServerConfig:
             "help": "read tool calls in this shape only (vLLM's names): hermes (JSON in <tool_call> tags), qwen3_coder "
             "or qwen3_xml (Qwen3-Coder's XML in them), llama3_json or llama4_json (bare JSON), pythonic or "
             "llama4_pythonic (a Python list of calls, Llama 3.2's and 4's), mistral ([TOOL_CALLS]), phi4_mini_json "
-            "(functools[...]), granite (a JSON list after <|tool_call|>), deepseek_v3 or deepseek_v31, openai "
+            "(functools[...]), granite (a JSON list after <|tool_call|>), deepseek_v3 or deepseek_v31, glm45 "
+            "(GLM-4.5's <tool_call>NAME blocks of <arg_key>/<arg_value> pairs), openai "
             "(gpt-oss's harmony calls to functions.NAME; its messages then read as --reasoning-parser openai_gptoss "
             "reads them); without it, all of them"
         },

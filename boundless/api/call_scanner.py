@@ -24,7 +24,8 @@ _BLANK = " \t\n\r"
 _DELIMITERS = ",}]:" + _BLANK
 # Mistral's tokens between a call's name and its arguments (v11's [ARGS]; an id after [CALL_ID] in later ones).
 MISTRAL_ARGS, MISTRAL_CALL_ID = "[ARGS]", "[CALL_ID]"
-_NAME = re.compile(r"[\w.\-:/]+")  # (a function's name as the tools' check allows it: OpenAI's, and MCP's separators)
+# A function's name as the tools' check allows it: OpenAI's, and MCP's separators.
+CALL_NAME = re.compile(r"[\w.\-:/]+")
 # DeepSeek's tokens around a call (V3 and R1: ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```
 # <｜tool▁call▁end｜>``; V3.1: ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>``).
 DEEPSEEK_SEP = "<｜tool▁sep｜>"
@@ -160,7 +161,7 @@ def named_call_name(head: str) -> str | None:
     ``[TOOL_CALLS]`` and the arguments' ``{``, which may hold ``[ARGS]`` and ``[CALL_ID]`` with an id; None when it
     is no name (blanks inside it, another tag)."""
     name = head.split(MISTRAL_CALL_ID)[0].split(MISTRAL_ARGS)[0].strip()
-    return name if _NAME.fullmatch(name) else None
+    return name if CALL_NAME.fullmatch(name) else None
 
 
 def deepseek_call_name(head: str) -> str | None:
@@ -173,7 +174,7 @@ def deepseek_call_name(head: str) -> str | None:
     before, after = parts[0].strip(), parts[1].strip()
     after = _FENCE.sub("", after).strip()
     name = after or before  # (V3 names the call after the separator, V3.1 before it)
-    return name if _NAME.fullmatch(name) and not (after and before != "function") else None
+    return name if CALL_NAME.fullmatch(name) and not (after and before != "function") else None
 
 
 @dataclass

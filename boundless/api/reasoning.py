@@ -12,6 +12,13 @@ closes an empty block in the prompt); Qwen3's thinking-only models open it in th
 starts inside the reasoning when the prompt ends with ``<think>`` or the output begins with it, and ``deepseek_r1``
 always does. Output cut off before ``</think>`` is all reasoning.
 
+GLM-4.5 and GLM-4.6 (vLLM's ``glm45``) think as Qwen3's hybrid models do: their template ends the prompt with
+``<|assistant|>`` and the model writes ``<think>`` itself, or, with ``enable_thinking: false``, the template closes an
+empty ``<think></think>`` in the prompt; so ``glm45`` reads an output as ``qwen3`` does (and GLM-4.7's, whose template
+opens ``<think>`` in the prompt). vLLM's ``glm45`` now takes an output that does not open with ``<think>`` as
+reasoning unless the request turned thinking off (its template variables); here it is the answer, as vLLM's first
+``glm45`` parser read it: a model that skips its thinking answers in plain text.
+
 Mistral's reasoning models (Magistral; vLLM's ``mistral`` parser) write ``[THINK]...[/THINK]`` instead, of their own
 accord: an output that opens with ``[THINK]`` reasons, one that does not is all answer. Those tags are special tokens,
 which decoded text leaves out by default, so under that parser outputs keep their special tokens
@@ -36,7 +43,7 @@ from boundless.api import harmony
 from boundless.api.logprobs import Stretch
 from boundless.api.tool_calls import partial_tag
 
-REASONING_PARSERS = ("deepseek_r1", "qwen3", "mistral", "openai_gptoss")
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "glm45", "mistral", "openai_gptoss")
 HARMONY_PARSER = "openai_gptoss"
 HARMONY_CALLS = "openai"  # (the --tool-call-parser that reads harmony's calls)
 

@@ -861,8 +861,8 @@ class OpenAIServer:
         """The grammar of a ``tool_choice`` that forces a call (``name``'s, or with None any tool's): the calls in
         the model's own format where it is Hermes' JSON (``strict_format``: a structural tag, as SGLang holds them, so
         the model writes what it was trained to), else a JSON list of calls (vLLM's; read as bare JSON). Not in
-        Qwen3-Coder's XML: xgrammar's XML values may carry blanks around them, which a string's schema then holds
-        only loosely, where the JSON list holds every value exactly."""
+        Qwen3-Coder's XML, nor GLM-4.5's tags: xgrammar's XML values may carry blanks around them, which a string's
+        schema then holds only loosely, where the JSON list holds every value exactly."""
         if name is None:  # (one named tool's grammar holds its calls alone)
             require_grammar_tools(len(tools), "a tool_choice that forces a call")
         if self.strict_format != TAGGED_JSON:

@@ -9,16 +9,17 @@ call format (the trigger, ``<tool_call>``), and from there the call must name on
 its schema allows, then close; then text is free again (or, without ``parallel_tool_calls``, the output ends).
 
 The call format is the one the server reads (``--tool-call-parser``), or, without the flag, the one the chat template
-teaches: Qwen3-Coder's XML calls where the template writes ``<function=``, Hermes' JSON where it writes
-``<tool_call>``, Mistral's calls by name (``[TOOL_CALLS]NAME[ARGS]{...}``, tokenizer v11 on) where it writes
-``[TOOL_CALLS]`` and ``[ARGS]``. Other formats (bare JSON, Python lists, Mistral's older list) have no trigger that
-tells a call from an answer or none this holds, so there a ``strict`` tool is served as vLLM serves it without a
-structural tag: its calls are read, not held.
+teaches: Qwen3-Coder's XML calls where the template writes ``<function=``, GLM-4.5's where it writes ``<tool_call>`` and
+``<arg_key>`` (the name, a line, then each argument's ``<arg_key>`` and ``<arg_value>``: xgrammar's ``glm_xml``),
+Hermes' JSON where it writes ``<tool_call>`` alone, Mistral's calls by name (``[TOOL_CALLS]NAME[ARGS]{...}``, tokenizer
+v11 on) where it writes ``[TOOL_CALLS]`` and ``[ARGS]``. Other formats (bare JSON, Python lists, Mistral's older list)
+have no trigger that tells a call from an answer or none this holds, so there a ``strict`` tool is served as vLLM serves
+it without a structural tag: its calls are read, not held.
 
 A tool is held to its schema when it says ``strict: true`` (or every tool, with ``--strict-tool-calls``, as vLLM's
 ``VLLM_ENFORCE_STRICT_TOOL_CALLING`` and SGLang's ``SGLANG_TOOL_STRICT_LEVEL`` do); once any tool of a request is,
-the others' calls are held to their names and to a JSON object (an XML call's to its tags), so that every call the
-model begins parses.
+the others' calls are held to their names and to a JSON object (an XML or GLM call's to its tags), so that every call
+the model begins parses.
 """
 
 from __future__ import annotations
@@ -29,8 +30,11 @@ from typing import Any
 
 from boundless.api.tool_calls import (
     ALL_FORMATS,
+    GLM_KEY,
     MISTRAL,
     MISTRAL_TAG,
+    TAGGED,
+    TAGGED_GLM,
     TAGGED_JSON,
     TAGGED_XML,
     TOOL_CALL_TAG,
@@ -44,6 +48,8 @@ from boundless.engine.structured_output import MAX_WHITESPACE
 # before </function> is the parameters' last blank, so that a call without parameters is the template's two lines).
 _JSON_OPEN, _JSON_ARGUMENTS, _JSON_END = '<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>"
 _XML_OPEN, _XML_AFTER_NAME, _XML_END = "<tool_call>\n<function=", ">\n", "</function>\n</tool_call>"
+# GLM-4.5's call as its template writes it: the name, a line, each argument's two tags a line apart, the end tag.
+_GLM_AFTER_NAME, _GLM_END = "\n", "</tool_call>"
 # Mistral's v11 call: its tag and name, [ARGS], the arguments' object, and nothing after it.
 _MISTRAL_ARGS = "[ARGS]"
 # No parameters: a call's arguments are the empty object.
@@ -55,7 +61,7 @@ def strict_call_format(formats: CallFormats, template: str | None) -> str | None
     (``formats``), else the one the chat template writes (``template``: its source); None when neither says.
     Mistral's calls (its parser's, or a template's that writes them) only in the by-name form, which its template
     says it writes with ``[ARGS]``."""
-    tagged = formats & {TAGGED_JSON, TAGGED_XML}
+    tagged = formats & TAGGED
     if len(tagged) == 1 and len(formats) == 1:
         return next(iter(tagged))
     mistral_v11 = template is not None and MISTRAL_TAG in template and _MISTRAL_ARGS in template
@@ -64,8 +70,8 @@ def strict_call_format(formats: CallFormats, template: str | None) -> str | None
     if formats == ALL_FORMATS and template is not None:  # (no parser: every format is read, so the template decides)
         if XML_FUNCTION_TAG in template:
             return TAGGED_XML
-        if TOOL_CALL_TAG in template and "<arg_key>" not in template:  # (GLM-4.5's tags hold a format of its own)
-            return TAGGED_JSON
+        if TOOL_CALL_TAG in template:  # (GLM-4.5's tags hold a format of its own)
+            return TAGGED_GLM if GLM_KEY in template else TAGGED_JSON
     return None
 
 
@@ -104,13 +110,13 @@ def forced_calls_tag(
 
 
 def _trigger(call_format: str) -> str:
-    return {TAGGED_JSON: TOOL_CALL_TAG, MISTRAL: MISTRAL_TAG}.get(call_format, _XML_OPEN)
+    return {TAGGED_JSON: TOOL_CALL_TAG, TAGGED_GLM: TOOL_CALL_TAG, MISTRAL: MISTRAL_TAG}.get(call_format, _XML_OPEN)
 
 
 def _call_tags(tools: Sequence[dict[str, Any]], call_format: str, every_tool: bool) -> list[dict[str, Any]]:
     """A tag per tool: its call's opening in ``call_format`` with its name, then its arguments, held to its schema
-    where the tool is strict (``every_tool``: all are), else to any object (an XML call's to any text), then the
-    call's end."""
+    where the tool is strict (``every_tool``: all are), else to any object (an XML or GLM call's to any text), then
+    the call's end."""
     tags = []
     for tool in tools:
         function = tool["function"]
@@ -124,6 +130,9 @@ def _call_tags(tools: Sequence[dict[str, Any]], call_format: str, every_tool: bo
         elif call_format == MISTRAL:
             content["json_schema"] = schema if strict else {"type": "object"}
             begin, end = MISTRAL_TAG + name + _MISTRAL_ARGS, ""
+        elif call_format == TAGGED_GLM:
+            content = content | {"json_schema": schema, "style": "glm_xml"} if strict else {"type": "any_text"}
+            begin, end = TOOL_CALL_TAG + name + _GLM_AFTER_NAME, _GLM_END
         else:
             content = content | {"json_schema": schema, "style": "qwen_xml"} if strict else {"type": "any_text"}
             begin, end = _XML_OPEN + name + _XML_AFTER_NAME, _XML_END

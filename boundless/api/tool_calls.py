@@ -4,8 +4,12 @@ Templates that take ``tools`` teach the model one of three shapes, and all are r
 Hermes/Qwen-style ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (SmolLM2's hold a JSON list of
 such calls); the same blocks holding
 Qwen3-Coder's XML, ``<function=NAME><parameter=KEY>VALUE</parameter>...</function>``, whose values are text read
-by the tool's parameter schema (:func:`parameter_types`); and a bare JSON object (or list of objects) with ``name``
-and ``arguments`` or ``parameters`` (Llama 3.1), naming one of the request's tools: without tags, JSON is as likely
+by the tool's parameter schema (:func:`parameter_types`); the same blocks holding GLM-4.5's and GLM-4.6's calls
+(vLLM's ``glm45``), the function's name on the block's first line, then each argument as ``<arg_key>KEY</arg_key>``
+and ``<arg_value>VALUE</arg_value>``, whose values are text read by the schema too (a value whose type the schema does
+not name is the JSON it holds, if any: the template writes each value that is no string as JSON); and a bare JSON
+object (or list of objects) with ``name`` and ``arguments`` or ``parameters`` (Llama 3.1), naming one of the
+request's tools: without tags, JSON is as likely
 an answer (``{"name": "Bob", "age": 3}``), so it is a call only in that shape, as vLLM's ``llama3_json`` reads it.
 Llama 3.1 may open its JSON with ``<|python_tag|>`` (a special token, in the text when the request keeps those) and
 writes several calls a ``;`` apart, ``{...}; {...}``, as vLLM's ``llama3_json`` reads them.
@@ -45,6 +49,7 @@ from typing import Any
 from boundless.api import harmony
 from boundless.api.call_scanner import (
     ARGUMENT_KEYS,
+    CALL_NAME,
     CallScanner,
     CallSpan,
     NamedCallScanner,
@@ -56,24 +61,28 @@ from boundless.api.json_text import UNREADABLE_JSON
 
 _XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|(?=<function=)|\Z)", re.DOTALL)
 _XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.DOTALL)
+# GLM-4.5's tags around an argument's key and its value (its template writes a line between them). A key holds no
+# <arg_key> of its own: a key left without its value is passed over, not run into the next one.
+GLM_KEY = "<arg_key>"
+_GLM_ARGUMENT = re.compile(r"<arg_key>((?:(?!<arg_key>).)*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 _INTEGER = re.compile(r"-?\d+")
 _NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?")  # JSON's: no NaN, no Infinity
 # Schema types as models and tools sometimes spell them (Python's names), as vLLM's parser reads them.
 _TYPE_ALIASES = {"int": "integer", "float": "number", "double": "number", "bool": "boolean", "dict": "object",
                  "list": "array", "str": "string"}  # fmt: skip
 
-# Each tool's parameters' schemas (function name -> parameter name -> schema): how an XML call's values are read.
+# Each tool's parameters' schemas (function name -> parameter name -> schema): how XML and GLM calls' values are read.
 ParameterTypes = dict[str, dict[str, Any]]
 
-# The shapes of calls in an output: JSON in <tool_call> blocks, XML in them, bare JSON, a Python list of calls,
-# Mistral's calls after [TOOL_CALLS], Phi-4-mini's functools[...] list, DeepSeek's <｜tool▁call▁begin｜> calls, and
-# harmony's calls as its reasoning parser leaves them in the answer.
-TAGGED_JSON, TAGGED_XML, BARE_JSON, PYTHONIC = "tagged-json", "tagged-xml", "bare-json", "pythonic"
+# The shapes of calls in an output: JSON in <tool_call> blocks, Qwen3-Coder's XML in them, GLM-4.5's <arg_key> calls
+# in them, bare JSON, a Python list of calls, Mistral's calls after [TOOL_CALLS], Phi-4-mini's functools[...] list,
+# DeepSeek's <｜tool▁call▁begin｜> calls, and harmony's calls as its reasoning parser leaves them in the answer.
+TAGGED_JSON, TAGGED_XML, TAGGED_GLM = "tagged-json", "tagged-xml", "tagged-glm"
+BARE_JSON, PYTHONIC = "bare-json", "pythonic"
 MISTRAL, FUNCTOOLS, DEEPSEEK, HARMONY = "mistral", "functools", "deepseek", "harmony"
 CallFormats = frozenset[str]
-ALL_FORMATS: CallFormats = frozenset(
-    {TAGGED_JSON, TAGGED_XML, BARE_JSON, PYTHONIC, MISTRAL, FUNCTOOLS, DEEPSEEK, HARMONY}
-)
+TAGGED: CallFormats = frozenset({TAGGED_JSON, TAGGED_XML, TAGGED_GLM})  # (the shapes in <tool_call> blocks)
+ALL_FORMATS: CallFormats = TAGGED | {BARE_JSON, PYTHONIC, MISTRAL, FUNCTOOLS, DEEPSEEK, HARMONY}
 # vLLM's --tool-call-parser names -> the shapes each reads (without the flag, all of them).
 TOOL_CALL_PARSERS: dict[str, CallFormats] = {
     "hermes": frozenset({TAGGED_JSON}),
@@ -91,6 +100,7 @@ TOOL_CALL_PARSERS: dict[str, CallFormats] = {
     "deepseek_v3": frozenset({DEEPSEEK}),  # (V3's and R1's calls, and V3.1's: either reads both)
     "deepseek_v31": frozenset({DEEPSEEK}),
     "openai": frozenset({HARMONY}),  # (gpt-oss's harmony calls: its reasoning parser reads them out of its messages)
+    "glm45": frozenset({TAGGED_GLM}),  # (GLM-4.5's and GLM-4.6's)
 }
 MISTRAL_TAG = "[TOOL_CALLS]"  # (Mistral's special token before its calls)
 FUNCTOOLS_TAG = "functools["  # (Phi-4-mini's, its list's bracket with it)
@@ -308,6 +318,34 @@ def _xml_calls(block: str, types: ParameterTypes) -> list[ToolCall]:
     return calls
 
 
+def _glm_call(block: str, types: ParameterTypes, closed: bool = True) -> list[ToolCall]:
+    """GLM-4.5's call in a ``<tool_call>`` block's text (stripped), as vLLM's ``glm45`` parser reads it: the
+    function's name up to the first line's end (or to the first ``<arg_key>``: GLM-4.7 writes no line between), then
+    each ``<arg_key>KEY</arg_key>`` and the ``<arg_value>VALUE</arg_value>`` after it, blanks between, a value read by
+    its parameter's schema (:func:`_glm_value`); what else the block holds is passed over. ``[]`` when the name is
+    none (JSON, or text, in the block), or when the block was never closed (``closed``: the model stopped, or was cut
+    off, before ``</tool_call>``, which alone says the call is whole): that stays the answer's text."""
+    cut = min((at for at in (block.find("\n"), block.find(GLM_KEY)) if at >= 0), default=len(block))
+    name = block[:cut].strip()
+    if not closed or not CALL_NAME.fullmatch(name):
+        return []
+    schemas = types.get(name, {})
+    args = {key.strip(): _glm_value(value, schemas.get(key.strip())) for key, value in _GLM_ARGUMENT.findall(block)}
+    return [ToolCall(name, json.dumps(args, ensure_ascii=False))]
+
+
+def _glm_value(value: str, schema: Any) -> Any:
+    """A GLM-4.5 argument's value: as its schema's type says (:func:`_typed`, as Qwen3-Coder's values are read); where
+    the schema names no type (or the tool or the parameter is not one of the request's), the JSON the value holds
+    when it reads whole as JSON (its template writes each value that is no string as JSON, vLLM's parser reads it
+    back so), else its text."""
+    if _kinds(schema) != {None} or _listed(value, schema)[0]:
+        return _typed(value, schema)
+    with contextlib.suppress(*UNREADABLE_JSON):  # (NaN and Infinity, which JSON lacks, refused too)
+        return json.loads(value.strip(), parse_constant=_refuse)
+    return value
+
+
 def _pythonic_calls(text: str, tools: Collection[str] | None) -> list[ToolCall]:
     """Llama 3.2's and Llama 4's calls: ``text`` is a Python list of calls by name with keyword arguments of literal
     values (``[get_weather(city="Paris"), get_time()]``), as vLLM's ``pythonic`` parser reads it; the names among
@@ -335,15 +373,17 @@ def _pythonic_calls(text: str, tools: Collection[str] | None) -> list[ToolCall]:
     return calls
 
 
-def _block_calls(block: str, types: ParameterTypes | None, formats: CallFormats) -> list[ToolCall]:
+def _block_calls(block: str, types: ParameterTypes | None, formats: CallFormats, closed: bool = True) -> list[ToolCall]:
     """The calls in a ``<tool_call>`` block's text: its JSON call, or a JSON list of calls (SmolLM2 writes its calls
-    so, all in one block; every item a call, or none is), or else Qwen3-Coder's XML ones (of ``formats``)."""
+    so, all in one block; every item a call, or none is), or else Qwen3-Coder's XML ones, or else GLM-4.5's call (of
+    ``formats``; ``closed``: the block has its end tag, without which GLM's is no call)."""
     try:
         obj = json.loads(block) if TAGGED_JSON in formats else None
     except UNREADABLE_JSON:
         obj = None
     if obj is None:
-        return _xml_calls(block, types or {}) if TAGGED_XML in formats else []
+        xml = _xml_calls(block, types or {}) if TAGGED_XML in formats else []
+        return xml or (_glm_call(block, types or {}, closed) if TAGGED_GLM in formats else [])
     spans = scan_calls(block)
     items = obj if isinstance(obj, list) else [obj]
     calls = [_as_call(item, block, spans[n] if n < len(spans) else None) for n, item in enumerate(items)]
@@ -540,11 +580,11 @@ def _is_mistral_id(id_: str) -> bool:
 
 
 def _parsed(text: str, types: ParameterTypes | None, formats: CallFormats) -> tuple[str | None, list[ToolCall]]:
-    if formats & {TAGGED_JSON, TAGGED_XML}:
+    if formats & TAGGED:
         closed = tagged_blocks(text)
         at, tail = _unclosed_block(text, closed)
-        blocks = [inner for _, _, inner in closed] + ([tail] if at >= 0 else [])
-        calls = [call for block in blocks for call in _block_calls(block, types, formats)]
+        blocks = [(inner, True) for _, _, inner in closed] + ([(tail, False)] if at >= 0 else [])
+        calls = [call for block, whole in blocks for call in _block_calls(block, types, formats, whole)]
         if calls:
             return (_content_before_calls(text, formats).strip() or None), calls
         if closed:
@@ -569,10 +609,10 @@ XML_FUNCTION_TAG = "<function="
 
 
 def call_tags(formats: CallFormats) -> list[str]:
-    """The tags that begin calls of ``formats``: Hermes' ``<tool_call>`` (JSON or XML in it), Mistral's
+    """The tags that begin calls of ``formats``: Hermes' ``<tool_call>`` (JSON, XML or GLM-4.5's call in it), Mistral's
     ``[TOOL_CALLS]``, Phi-4-mini's ``functools[``, DeepSeek's ``<｜tool▁call▁begin｜>`` (each call's), harmony's
     ``harmony.CALL_TAG``."""
-    tagged = [(TOOL_CALL_TAG, formats & {TAGGED_JSON, TAGGED_XML}), (MISTRAL_TAG, MISTRAL in formats)]
+    tagged = [(TOOL_CALL_TAG, formats & TAGGED), (MISTRAL_TAG, MISTRAL in formats)]
     others = [(FUNCTOOLS_TAG, FUNCTOOLS in formats), (DEEPSEEK_CALL, DEEPSEEK in formats)]
     others.append((harmony.CALL_TAG, HARMONY in formats))
     return [tag for tag, read in [*tagged, *others] if read]
@@ -663,8 +703,11 @@ class CallStream:
         self.forced = forced
         self.bare_json = BARE_JSON in formats
         self.mistral_ids = mistral_ids(formats)  # every call's id is Mistral's (else those after its tag)
-        # The tags calls follow: Hermes' always (a forced call's grammar may write its blocks), the others as read.
-        self.tags = [TOOL_CALL_TAG, *(t for t in call_tags(formats) if t != TOOL_CALL_TAG)]
+        # The tags calls follow: Hermes' where its JSON is read (a forced call's grammar writes its blocks only then;
+        # a block of Qwen3-Coder's XML or GLM-4.5's call streams nothing, its calls come whole from finish), the others
+        # as read.
+        self.tags = [TOOL_CALL_TAG] if TAGGED_JSON in formats else []
+        self.tags += [t for t in call_tags(formats) if t != TOOL_CALL_TAG]
         self._bare: bool | None = None  # the calls are the JSON the output opens with (else after tags)
         # One a document: the bare JSON, or each block's, each Mistral call's or list, each functools list; and
         # whether its calls are Mistral's.
@@ -732,7 +775,7 @@ class CallStream:
         pos = max(pos, self._searched)
         hits = [(at, tag) for tag in self.tags if (at := text.find(tag, pos)) >= 0]
         if not hits:
-            self._searched = max(pos, len(text) - max(len(t) for t in self.tags) + 1)
+            self._searched = max(pos, len(text) - max((len(t) for t in self.tags), default=1) + 1)
             return False
         at, tag = min(hits)
         self._searched = at
@@ -788,9 +831,9 @@ def spans_around_calls(text: str, formats: CallFormats) -> list[tuple[int, int]]
     and Phi-4-mini's tags with their calls (:func:`marked_calls`), or else (Qwen3-Coder's calls without their tags)
     before the first ``<function=`` (and before a ``<tool_call>`` just before it, blanks between); none empty. (Where
     a message's content lies in its output: its logprobs are those of its content's tokens.)"""
-    closed = tagged_blocks(text) if formats & {TAGGED_JSON, TAGGED_XML} else []
+    closed = tagged_blocks(text) if formats & TAGGED else []
     at, tail = _unclosed_block(text, closed)
-    unclosed = at >= 0 and bool(formats & {TAGGED_JSON, TAGGED_XML}) and bool(_block_calls(tail, None, formats))
+    unclosed = at >= 0 and bool(formats & TAGGED) and bool(_block_calls(tail, None, formats, closed=False))
     if unclosed or closed:
         end = at if unclosed else len(text)  # (every closed block ends before an unclosed one)
         bounds = [0, *(i for start, stop, _ in closed for i in (start, stop)), end]

@@ -206,7 +206,8 @@ def _product(
 ) -> None:
     """``out[slot] = a[slot // a_row_of_slot] @ weight[expert].T (+ bias[expert])`` for every grouped slot, in one
     launch; with ``routing``, the rounded product times the slot's routing weight."""
-    assert a.stride(-1) == 1 and out.stride(-1) == 1
+    # (Rows read and written along a stride of 1: a size-1 dimension's stride may be anything, and is never used.)
+    assert (a.stride(-1) == 1 or a.shape[-1] == 1) and (out.stride(-1) == 1 or out.shape[-1] == 1)
     _, n_cols, k_cols = weight.shape
     scale_block = (1, 0)
     if isinstance(weight, Mxfp4Stack):

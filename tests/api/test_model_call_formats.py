@@ -1,7 +1,8 @@
 """Tool calls and reasoning in the formats of the model families served beside Hermes' and Qwen's, as vLLM's parsers
 of the same names read them: Mistral's ``[TOOL_CALLS]`` (a JSON list before tokenizer v11, ``name[ARGS]{...}`` from
 v11 on, ``[CALL_ID]`` in Mistral Small 3.2) with its 9-character ids, Llama 3.1's ``<|python_tag|>`` and calls a
-``;`` apart, Phi-4-mini's ``functools[...]``, and Magistral's ``[THINK]...[/THINK]``. Each is read whole and
+``;`` apart, Phi-4-mini's ``functools[...]``, GLM-4.5's ``<tool_call>NAME`` blocks of ``<arg_key>`` and
+``<arg_value>`` pairs with its ``<think>``, and Magistral's ``[THINK]...[/THINK]``. Each is read whole and
 streamed a character at a time (the streamed pieces put together are the calls read whole), then served: a random
 model whose tokenizer has Mistral's tags as special tokens, held by a grammar to write each shape, through the real
 `openai` client."""
@@ -25,6 +26,7 @@ from boundless.api.tool_calls import (
     DEEPSEEK,
     FUNCTOOLS,
     MISTRAL,
+    TAGGED_GLM,
     TAGGED_JSON,
     TOOL_CALL_PARSERS,
     CallStream,
@@ -322,6 +324,248 @@ def test_deepseek_calls(text: str, parser: str | None) -> None:
     assert parse_tool_calls(cut, TYPES, formats) == (cut, [])
 
 
+# -- GLM-4.5's <arg_key> calls ----------------------------------------------------------------------------------------
+
+GLM45 = TOOL_CALL_PARSERS["glm45"]
+# As GLM-4.5's and GLM-4.6's template writes calls: each block on a line of its own after the text, the function's
+# name on its first line, then each argument's key and value a line apart.
+GLM_CALLS = (
+    "Let me check.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>"
+    "\n<tool_call>set_units\n<arg_key>metric</arg_key>\n<arg_value>true</arg_value>\n<arg_key>scale</arg_key>\n"
+    "<arg_value>C</arg_value>\n</tool_call>"
+)
+
+
+@pytest.mark.parametrize("formats", [GLM45, ALL_FORMATS], ids=["glm45", "no parser"])
+def test_glm_calls(formats: frozenset[str]) -> None:
+    """GLM-4.5's calls, as vLLM's ``glm45`` reads them: the text before the first block is the content, streamed up
+    to it; each block is a call, its values typed by the tool's schema (``true`` a boolean, ``C`` the enum's string);
+    streamed, the calls come whole with the finish, and put together they are the calls read whole, ids and all, the
+    text between and after the blocks the content both ways."""
+    content, calls = parse_tool_calls(GLM_CALLS, TYPES, formats)
+    assert content == "Let me check." and _named(calls) == TWO_CALLS
+    assert [c.arguments for c in calls] == ['{"city": "Paris"}', '{"metric": true, "scale": "C"}']
+    text = GLM_CALLS + "\nDone."
+    streamed, deltas, streamed_calls = _stream(text, formats)
+    assert streamed == parse_tool_calls(text, TYPES, formats)[0] == "Let me check.\n\n\nDone."
+    assert _together(deltas) == [(c.id, c.name, c.arguments) for c in streamed_calls]
+    assert _named(streamed_calls) == TWO_CALLS
+    # (where the content lies, for its logprobs: around the blocks)
+    assert [text[a:b] for a, b in spans_around_calls(text, formats)] == ["Let me check.\n", "\n", "\nDone."]
+    # Without parallel calls the first alone.
+    streamed, deltas, _ = _stream(GLM_CALLS, formats, parallel=False)
+    assert [(n, json.loads(a)) for _, n, a in _together(deltas)] == TWO_CALLS[:1]
+
+
+PLAN = {
+    "type": "function",
+    "function": {
+        "name": "plan",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "path": {"type": "string"},
+                "code": {"type": "string"},
+                "line": {"type": "integer"},
+                "n": {"type": "integer"},
+                "scale": {"type": "number"},
+                "dry_run": {"type": "boolean"},
+                "tags": {"type": "array"},
+                "options": {"type": "object"},
+                "note": {"type": ["string", "null"]},
+                "unit": {"enum": ["C", "F"]},
+                "free": {"description": "a parameter of no type"},
+            },
+        },
+    },
+}
+
+
+def test_glm_values_are_read_by_the_tools_schema() -> None:
+    """A value is text in GLM-4.5's calls: read by its parameter's schema as Qwen3-Coder's are (a string stays text,
+    blanks and all, though it reads as a number; a value that does not read as its type stays text); a parameter of no
+    type, or not in the schema, is the JSON its value holds (the template writes every value that is no string as
+    JSON), else its text."""
+    values = {
+        "path": " src/a b.py ",
+        "code": "007",
+        "line": "12",
+        "n": "twelve",
+        "scale": "0.5",
+        "dry_run": "false",
+        "tags": '["x", "y"]',
+        "options": "{'indent': 4}",  # (a Python literal, as models write them)
+        "note": "null",
+        "unit": " F",
+        "free": '{"k": [1, 2]}',
+        "unlisted": "3",
+        "word": "007",
+        "nan": "NaN",
+    }
+    pairs = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" for k, v in values.items())
+    _, calls = parse_tool_calls(f"<tool_call>plan\n{pairs}</tool_call>", parameter_types([PLAN]), GLM45)
+    assert json.loads(calls[0].arguments) == {
+        "path": " src/a b.py ",
+        "code": "007",
+        "line": 12,
+        "n": "twelve",
+        "scale": 0.5,
+        "dry_run": False,
+        "tags": ["x", "y"],
+        "options": {"indent": 4},
+        "note": None,
+        "unit": "F",
+        "free": {"k": [1, 2]},
+        "unlisted": 3,
+        "word": "007",
+        "nan": "NaN",  # (JSON has no NaN)
+    }
+    # A tool the request does not have: its values read as JSON where they are JSON.
+    _, calls = parse_tool_calls(f"<tool_call>plan\n{pairs}</tool_call>", TYPES, GLM45)
+    assert json.loads(calls[0].arguments)["line"] == 12 and json.loads(calls[0].arguments)["path"] == " src/a b.py "
+
+
+@pytest.mark.parametrize(
+    ("text", "read"),
+    [
+        # GLM-4.7 writes no line after the name, nor between the tags.
+        ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>", {"city": "Paris"}),
+        ("<tool_call>now\n</tool_call>", {}),  # (a tool without parameters: the template's two lines)
+        # A key without its value, and text between the pairs, are passed over, as vLLM's parser reads them.
+        ("<tool_call>get_weather\n<arg_key>day</arg_key>\nsoon\n<arg_key>city</arg_key> <arg_value>Rome</arg_value>\n"
+         "</tool_call>", {"city": "Rome"}),
+        # A value that holds tags of its own, but for its end tag, and lines.
+        ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>a <b>\nc</arg_value>\n</tool_call>",
+         {"city": "a <b>\nc"}),
+    ],
+)  # fmt: skip
+def test_glm_calls_in_other_layouts(text: str, read: dict[str, Any]) -> None:
+    content, calls = parse_tool_calls(text, TYPES, GLM45)
+    assert content is None and [json.loads(c.arguments) for c in calls] == [read]
+    _, deltas, _ = _stream(text, GLM45)
+    assert [json.loads(a) for _, _, a in _together(deltas)] == [read]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        # Cut off inside a value, and stopped before the end tag: only </tool_call> says the call is whole.
+        "Sure.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Par",
+        "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n",
+        "<tool_call>get_weather",
+        # A first line that is no function's name; an empty block.
+        "<tool_call>not a name\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>",
+        "<tool_call>\n</tool_call>",
+        # Hermes' JSON and Qwen3-Coder's XML are not GLM's.
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>",
+    ],
+)
+def test_glm_blocks_that_hold_no_call_stay_text(text: str) -> None:
+    """Streamed and not, and cut off at ``max_tokens`` (``ToolUse.read``): the text is the answer's, as vLLM's
+    ``glm45`` leaves it."""
+    from boundless.api.server import ToolUse
+
+    assert parse_tool_calls(text, TYPES, GLM45) == (text, [])
+    assert ToolUse(True, types=TYPES, formats=GLM45).read(text, at_length=True) == (text, [], None)
+    streamed, deltas, calls = _stream(text, GLM45)
+    assert (streamed, deltas, calls) == (text, [], [])
+
+
+def test_glm_calls_under_other_parsers_and_a_call_cut_off_after_one() -> None:
+    """``hermes`` (and ``qwen3_coder``) read no GLM call; a closed call before one cut off is a call, the one cut off
+    the text after it."""
+    for parser in ("hermes", "qwen3_coder"):
+        assert parse_tool_calls(GLM_CALLS, TYPES, TOOL_CALL_PARSERS[parser]) == (GLM_CALLS, [])
+    cut = GLM_CALLS[: GLM_CALLS.index("true")]
+    content, calls = parse_tool_calls(cut, TYPES, GLM45)
+    assert _named(calls) == TWO_CALLS[:1] and content == "Let me check.\n\n" + cut[cut.rindex("<tool_call>") :]
+    streamed, _, streamed_calls = _stream(cut, GLM45)
+    assert streamed == content and _named(streamed_calls) == TWO_CALLS[:1]
+
+
+# GLM-4.5's tags: tokens of its vocabulary that are not special (they stay in decoded text, as vLLM reads them).
+GLM_TAGS = (
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<arg_key>",
+    "</arg_key>",
+    "<arg_value>",
+    "</arg_value>",
+)
+# A template of GLM-4.5's shape (its tags, its generation prompt, thinking turned off as it turns it off).
+GLM_TEMPLATE = (
+    "[gMASK]<sop>{% if tools %}<|system|>\\n# Tools\\n{% for t in tools %}{{ t | tojson }}\\n{% endfor %}"
+    "<tool_call>{function-name}\\n<arg_key>{arg-key-1}</arg_key>\\n<arg_value>{arg-value-1}</arg_value>\\n...</tool_call>"
+    "{% endif %}{% for m in messages %}<|{{ m.role }}|>\\n{{ m.content }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>"
+    "{% if enable_thinking is defined and not enable_thinking %}\\n<think></think>{% endif %}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def glm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    config = ServerConfig(tool_call_parser="glm45", reasoning_parser="glm45", structured_outputs_in_reasoning=True)
+    with serve_hermes(tmp_path_factory.mktemp("glm"), GLM_TEMPLATE, config, added_tokens=GLM_TAGS) as served:
+        yield served
+
+
+def _glm_ask(regex: str | None, **kwargs: Any) -> dict[str, Any]:
+    extra = {"structured_outputs": {"regex": regex}} if regex else {}
+    return {"model": "tiny", "messages": ASK, "tools": [WEATHER, UNITS], "max_tokens": 200, "temperature": 0,
+            "extra_body": {**extra, **kwargs.pop("extra_body", {})}, **kwargs}  # fmt: skip
+
+
+GLM_CALLS_REGEX = (
+    r"Let me check\.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>[A-Z][a-z]{2,6}</arg_value>\n"
+    r"</tool_call>\n<tool_call>set_units\n<arg_key>metric</arg_key>\n<arg_value>(true|false)</arg_value>\n"
+    r"<arg_key>scale</arg_key>\n<arg_value>[CFK]</arg_value>\n</tool_call>"
+)
+
+
+def test_served_glm_thinking_then_calls(glm: Served) -> None:
+    """``--tool-call-parser glm45 --reasoning-parser glm45``: a model that thinks, then writes GLM-4.5's calls (held
+    to them by a regex here), through the real client, streamed and not: the thinking is the reasoning, the answer's
+    text before the calls the content, the calls' values typed by the request's tools."""
+    ask = _glm_ask(r"\n<think>[a-z ]{4,12}</think>\n" + GLM_CALLS_REGEX)
+    message = glm.client.chat.completions.create(**ask).choices[0]
+    assert message.finish_reason == "tool_calls" and message.message.content == "Let me check."
+    reasoning = message.message.model_dump()["reasoning"]
+    assert re.fullmatch("[a-z ]{4,12}", reasoning)
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in message.message.tool_calls]
+    assert [name for name, _ in calls] == ["get_weather", "set_units"]
+    assert isinstance(calls[1][1]["metric"], bool) and calls[1][1]["scale"] in "CFK"
+    streamed = _streamed(glm, ask)
+    assert streamed["reasoning"] == reasoning and streamed["content"].strip() == "Let me check."
+    assert [(n, json.loads(a)) for _, n, a in streamed["calls"]] == calls and streamed["finish"] == "tool_calls"
+
+
+def test_served_glm_with_thinking_turned_off(glm: Served) -> None:
+    """``enable_thinking: false``: the template closes an empty think block in the prompt; the output is the answer."""
+    ask = _glm_ask(r"It is sunny\.", extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    message = glm.client.chat.completions.create(**ask).choices[0].message
+    assert message.content == "It is sunny." and message.model_dump().get("reasoning") is None
+
+
+def test_served_glm_strict_call_is_held_to_its_schema(glm: Served) -> None:
+    """A strict tool under ``tool_choice: auto``: a call the model opens (``<tool_call>``, favoured here) is held to
+    GLM-4.5's format and the tool's schema, and reads back as a call."""
+    (tag,) = glm.loaded.tokenizer.encode("<tool_call>", add_special_tokens=False)
+    strict_units = {"type": "function", "function": {**UNITS["function"], "strict": True}}
+    ask = _glm_ask(None, tools=[strict_units], logit_bias={str(tag): 100}, parallel_tool_calls=False)
+    choice = glm.client.chat.completions.create(**ask).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    assert call.function.name == "set_units" and isinstance(arguments["metric"], bool) and arguments["scale"] in "CFK"
+    compiled = glm.engine.core.grammars._compiled
+    tags = [json.loads(spec.definition) for spec in compiled if spec.kind == "structural_tag" and spec.definition]
+    held = [t for tag in tags for t in tag["format"]["tags"] if t["begin"] == "<tool_call>set_units\n"]
+    assert held and held[0]["content"]["style"] == "glm_xml"
+
+
 # -- the parsers' names ------------------------------------------------------------------------------------------------
 
 
@@ -334,6 +578,7 @@ def test_deepseek_calls(text: str, parser: str | None) -> None:
         ("llama4_json", {BARE_JSON}),
         ("deepseek_v3", {DEEPSEEK}),
         ("deepseek_v31", {DEEPSEEK}),
+        ("glm45", {TAGGED_GLM}),
     ],
 )
 def test_the_new_tool_call_parsers_are_vllms_names(parser: str, formats: set[str]) -> None:
@@ -346,7 +591,16 @@ def test_an_unknown_parser_name_is_a_one_line_error() -> None:
         with pytest.raises(ConfigError) as raised:
             ServerConfig(**{field: "mistrall"})
         message = str(raised.value)
-        assert "\n" not in message and "mistral" in message
+        assert "\n" not in message and "mistral" in message and "glm45" in message
+
+
+def test_glm45_names_both_parsers_as_vllm_does() -> None:
+    """``--tool-call-parser glm45`` and ``--reasoning-parser glm45`` (vLLM's names for GLM-4.5's and GLM-4.6's);
+    ``glm4_moe``, the model's type, names no parser in vLLM, nor here."""
+    ServerConfig(tool_call_parser="glm45", reasoning_parser="glm45")
+    assert "glm45" in REASONING_PARSERS
+    with pytest.raises(ConfigError, match=r"--tool-call-parser: must be one of .*glm45"):
+        ServerConfig(tool_call_parser="glm4_moe")
 
 
 # -- Magistral's [THINK] -----------------------------------------------------------------------------------------------

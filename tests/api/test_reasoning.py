@@ -20,6 +20,7 @@ from boundless.config import ServerConfig
 
 QWEN3 = ReasoningParser.named("qwen3")
 R1 = ReasoningParser.named("deepseek_r1")
+GLM45 = ReasoningParser.named("glm45")
 
 
 @pytest.mark.parametrize(
@@ -37,6 +38,12 @@ R1 = ReasoningParser.named("deepseek_r1")
         (R1, True, "still thinking", Split("still thinking", None)),
         (R1, True, "a</think>b</think>c", Split("a", "b</think>c")),  # the first end tag ends it
         (R1, False, "the prompt closed the thinking", Split(None, "the prompt closed the thinking")),
+        # GLM-4.5 and GLM-4.6 write the start tag after their template's <|assistant|>, a line before it.
+        (GLM45, False, "\n<think>Paris, then</think>\nSunny.", Split("Paris, then", "\nSunny.")),
+        (GLM45, False, "\n<think>still thinking", Split("still thinking", None)),
+        # An output that does not open with it is the answer (vLLM's glm45 now reads it as R1's would: reasoning).
+        (GLM45, False, "Sunny.</think>", Split(None, "Sunny.</think>")),
+        (GLM45, True, "GLM-4.7's template opens it</think>Sunny.", Split("GLM-4.7's template opens it", "Sunny.")),
     ],
 )
 def test_split(parser: ReasoningParser, opened: bool, text: str, expected: Split) -> None:
@@ -49,6 +56,12 @@ def test_where_an_output_starts() -> None:
     assert not QWEN3.opens_in_reasoning("<|im_start|>assistant\n")
     assert R1.opens_in_reasoning("<|im_start|>assistant\n")
     assert not R1.opens_in_reasoning("<|Assistant|><think>\n\n</think>\n\n")  # closed by the prompt
+    # GLM-4.5's and GLM-4.6's template: the model opens the thinking itself; enable_thinking false closes an empty
+    # block in the prompt; GLM-4.7's opens it.
+    assert not GLM45.opens_in_reasoning("<|user|>\nWeather?<|assistant|>")
+    assert GLM45.closed_in("<|user|>\nWeather?/nothink<|assistant|>\n<think></think>")
+    assert not GLM45.opens_in_reasoning("<|user|>\nWeather?/nothink<|assistant|>\n<think></think>")
+    assert GLM45.opens_in_reasoning("<|user|>\nWeather?<|assistant|><think>")
     with pytest.raises(ValueError, match="deepseek_r1, qwen3"):
         ReasoningParser.named("granite")
 
@@ -60,13 +73,14 @@ TEXTS = [
     "<thin> is not the tag",
     "<think>cut off </thi",
     "a</think>b</think>c",
+    "\n<think>GLM's</think>\nSure.\n<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n</tool_call>",
     "</think>",
     "",
     " \n ",
 ]
 
 
-@pytest.mark.parametrize("parser", [QWEN3, R1], ids=["qwen3", "deepseek_r1"])
+@pytest.mark.parametrize("parser", [QWEN3, R1, GLM45], ids=["qwen3", "deepseek_r1", "glm45"])
 @pytest.mark.parametrize("opened", [False, True])
 def test_a_stream_sends_what_the_whole_output_splits_into(parser: ReasoningParser, opened: bool) -> None:
     """In every chunking (pieces of 1 to 4 characters, 30 random ones per text), the pieces sent add up to the split

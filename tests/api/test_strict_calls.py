@@ -14,7 +14,16 @@ import pytest
 from served_models import HERMES_TEMPLATE, UNITS, WEATHER, Served, serve_hermes
 
 from boundless.api.strict_calls import forced_calls_tag, strict_call_format, strict_calls_tag, structural_tag_text
-from boundless.api.tool_calls import ALL_FORMATS, MISTRAL, TAGGED_JSON, TAGGED_XML, TOOL_CALL_PARSERS
+from boundless.api.tool_calls import (
+    ALL_FORMATS,
+    MISTRAL,
+    TAGGED_GLM,
+    TAGGED_JSON,
+    TAGGED_XML,
+    TOOL_CALL_PARSERS,
+    parameter_types,
+    parse_tool_calls,
+)
 from boundless.config import ServerConfig
 from boundless.engine.structured_output import Grammars, StructuredOutput
 from boundless.model.loader import load_model
@@ -31,6 +40,7 @@ def strict(tool: dict) -> dict:
 def test_the_call_format_is_the_parsers_or_else_the_templates() -> None:
     assert strict_call_format(TOOL_CALL_PARSERS["hermes"], None) == TAGGED_JSON
     assert strict_call_format(TOOL_CALL_PARSERS["qwen3_coder"], None) == TAGGED_XML
+    assert strict_call_format(TOOL_CALL_PARSERS["glm45"], None) == TAGGED_GLM
     # Formats with no trigger that tells a call from an answer are not held.
     assert strict_call_format(TOOL_CALL_PARSERS["llama3_json"], "<tool_call>") is None
     assert strict_call_format(TOOL_CALL_PARSERS["pythonic"], "<tool_call>") is None
@@ -41,7 +51,7 @@ def test_the_call_format_is_the_parsers_or_else_the_templates() -> None:
     assert strict_call_format(ALL_FORMATS, HERMES_TEMPLATE) == TAGGED_JSON
     assert strict_call_format(ALL_FORMATS, "<tool_call>\n<function={{ name }}>") == TAGGED_XML
     assert strict_call_format(ALL_FORMATS, "{{ messages }}") is None
-    assert strict_call_format(ALL_FORMATS, "<tool_call>{{ name }}\n<arg_key>") is None  # GLM-4.5's own format
+    assert strict_call_format(ALL_FORMATS, "<tool_call>{{ name }}\n<arg_key>") == TAGGED_GLM  # GLM-4.5's own format
     assert strict_call_format(ALL_FORMATS, None) is None
 
 
@@ -109,6 +119,33 @@ def test_xml_calls_are_held_to_the_schema_as_qwen3_coder_writes_them(tiny_gramma
     # A tool without parameters: the two lines Qwen3-Coder's template writes.
     bare = strict_calls_tag([strict({"type": "function", "function": {"name": "now"}})], TAGGED_XML, parallel=True)
     assert bare is not None and accepts(tiny_grammars, bare, "<tool_call>\n<function=now>\n</function>\n</tool_call>")
+
+
+def test_glm_calls_are_held_to_the_schema_as_glm_45_writes_them(tiny_grammars: Grammars) -> None:
+    """GLM-4.5's calls (``--tool-call-parser glm45``, or a template that writes ``<arg_key>``): the trigger
+    ``<tool_call>``, then the name and a line, each argument's key and value (xgrammar's ``glm_xml``: a string as
+    text, the others as JSON), ``</tool_call>``; what the grammar lets through reads back as the schema's values."""
+    tag = strict_calls_tag([strict(UNITS), WEATHER], TAGGED_GLM, parallel=True)
+    assert tag is not None
+
+    def glm(name: str, **values: str) -> str:
+        pairs = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" for k, v in values.items())
+        return f"<tool_call>{name}\n{pairs}</tool_call>"
+
+    ok = glm("set_units", metric="true", scale="F")
+    assert accepts(tiny_grammars, tag, "Sure.\n" + ok) and accepts(tiny_grammars, tag, "No call.")
+    assert accepts(tiny_grammars, tag, ok + "\n" + ok)
+    assert not accepts(tiny_grammars, tag, glm("set_units", metric="maybe", scale="F"))
+    assert not accepts(tiny_grammars, tag, glm("set_units", metric="true", scale="X"))
+    assert not accepts(tiny_grammars, tag, glm("set_units", metric="true"))  # a required one left out
+    assert not accepts(tiny_grammars, tag, glm("launch"))  # no such tool
+    assert accepts(tiny_grammars, tag, glm("get_weather", anything="goes"))  # (not strict: any text)
+    _, calls = parse_tool_calls(ok, parameter_types([UNITS]), TOOL_CALL_PARSERS["glm45"])
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("set_units", {"metric": True, "scale": "F"})]
+    # A tool without parameters: the template's two lines; without parallel calls the first call ends the output.
+    bare = strict_calls_tag([strict({"type": "function", "function": {"name": "now"}})], TAGGED_GLM, parallel=False)
+    assert bare is not None and accepts(tiny_grammars, bare, "<tool_call>now\n</tool_call>")
+    assert not accepts(tiny_grammars, bare, "<tool_call>now\n</tool_call>\n<tool_call>now\n</tool_call>")
 
 
 MISTRAL_V11_TEMPLATE = "{{ '[TOOL_CALLS]' + call.function.name + '[ARGS]' + call.function.arguments | tojson }}"

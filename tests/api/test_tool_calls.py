@@ -48,6 +48,11 @@ HUGE = "1" + "0" * 5_000  # past int()'s 4,300 digits: a ValueError of its own
         f'[TOOL_CALLS]f{{"n": {DEEP}}}',
         f"<tool_call>\n<function=f>\n<parameter=n>\n{HUGE}\n</parameter>\n</function>\n</tool_call>",
         f"<tool_call>\n<function=f>\n<parameter=n>\n{DEEP}\n</parameter>\n</function>\n</tool_call>",
+        # GLM-4.5's, a typed parameter's value and one of no type (read as JSON where it reads whole)
+        f"<tool_call>f\n<arg_key>n</arg_key>\n<arg_value>{HUGE}</arg_value>\n</tool_call>",
+        f"<tool_call>f\n<arg_key>n</arg_key>\n<arg_value>{DEEP}</arg_value>\n</tool_call>",
+        f"<tool_call>f\n<arg_key>x</arg_key>\n<arg_value>{DEEP}</arg_value>\n<arg_key>y</arg_key>\n"
+        f"<arg_value>{HUGE}</arg_value>\n</tool_call>",
     ],
 )
 def test_output_past_the_json_parsers_limits_is_read_without_raising(output: str) -> None:

@@ -19,8 +19,7 @@ from boundless.api.tool_calls import (
     ALL_FORMATS,
     BARE_JSON,
     PYTHONIC,
-    TAGGED_JSON,
-    TAGGED_XML,
+    TAGGED,
     TOOL_CALL_PARSERS,
     CallStream,
     ContentStream,
@@ -935,24 +934,26 @@ HERMES = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</to
 XML = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
 BARE = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 PYTHON = '[get_weather(city="Paris")]'
+GLM = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>"
 
 
 @pytest.mark.parametrize(
     ("parser", "read"),
     [
-        (None, {HERMES, XML, BARE, PYTHON}),
+        (None, {HERMES, XML, BARE, PYTHON, GLM}),
         ("hermes", {HERMES}),
         ("qwen3_coder", {XML}),
         ("llama3_json", {BARE}),
         ("pythonic", {PYTHON}),
         ("llama4_pythonic", {PYTHON}),  # (vLLM's name for Llama 4's, whose command lines name it)
+        ("glm45", {GLM}),
     ],
 )
 def test_a_tool_call_parser_reads_its_shape_only(parser: str | None, read: set[str]) -> None:
     ServerConfig(tool_call_parser=parser)  # (the flag takes the name)
     formats = ALL_FORMATS if parser is None else TOOL_CALL_PARSERS[parser]
     types = parameter_types([WEATHER])  # (the request's tools: a bare call names one)
-    for text in (HERMES, XML, BARE, PYTHON):
+    for text in (HERMES, XML, BARE, PYTHON, GLM):
         content, calls = parse_tool_calls(text, types, formats)
         assert (text in read) == bool(calls) and (content is None if calls else content == text), (parser, text)
         if calls:
@@ -965,7 +966,7 @@ def test_a_tool_call_parser_reads_its_shape_only(parser: str | None, read: set[s
         could_begin = {
             BARE: BARE_JSON in formats,
             PYTHON: bool(formats & {BARE_JSON, PYTHONIC}),
-        }.get(text, TAGGED_JSON in formats or TAGGED_XML in formats)
+        }.get(text, bool(formats & TAGGED))
         assert stream.held == could_begin and (sent == "" if could_begin else sent == text)
         rest, calls = stream.finish(text, lambda t: parse_tool_calls(t, types, formats))
         assert (sent + rest == text) == (not calls)
