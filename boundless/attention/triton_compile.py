@@ -124,13 +124,16 @@ def fused_moe_jobs() -> list[CompileJob]:
         ("mxfp4-bf16/decode-bias", "u8", "u8", "bf16", (16, 32, 64), True, False, (1, 0)),
         ("mxfp4-bf16/prefill-bias-routed", "u8", "u8", "bf16", (64, 64, 64), True, True, (1, 0)),
         ("fp8-bf16/decode", "fp8e4nv", "fp32", "bf16", (16, 32, 64), False, False, (1, 0)),
+        ("bf16/decode-routed", "bf16", "bf16", "bf16", (16, 32, 64), False, True, (1, 0)),
         ("fp8-bf16/prefill-routed", "fp8e4nv", "fp32", "bf16", (64, 64, 64), False, True, (1, 0)),
         # (An FP8 checkpoint's experts, a scale a block of 128 x 128: Qwen3-30B-A3B-FP8's.)
         ("fp8-blocks-bf16/decode", "fp8e4nv", "fp32", "bf16", (16, 32, 64), False, False, (128, 128)),
     ):
+        # (GLM-4.5's routing weights come in fp32, the others' in the model's type.)
+        routing = "*fp32" if name == "bf16/decode-routed" else f"*{dtype}"
         ptr = f"*{dtype}"
         types = dict(
-            out_ptr=ptr, a_ptr=ptr, w_ptr=f"*{weight}", scale_ptr=f"*{scales}", bias_ptr=ptr, routing_ptr=ptr,
+            out_ptr=ptr, a_ptr=ptr, w_ptr=f"*{weight}", scale_ptr=f"*{scales}", bias_ptr=ptr, routing_ptr=routing,
             sorted_ptr="*i32", block_expert_ptr="*i32", num_rows_ptr="*i32", n_cols="i32", k_cols="i32",
             num_slots="i32", a_row_of_slot="i32", stride_am="i32", stride_we="i32", stride_wn="i32", stride_wk="i32",
             stride_se="i32", stride_sn="i32", stride_sk="i32", stride_be="i32", stride_om="i32",

@@ -4,7 +4,8 @@ The weights are dequantized to float32 bit-identically with ``gguf.quants.dequan
 that transformers uses; ``gguf_quants`` does the common types faster, to the same bits), and llama.cpp's Q/K row
 permutation is undone for ``llama`` files, so the result is a plain Hugging Face ``LlamaForCausalLM`` /
 ``Qwen2ForCausalLM`` state dict (a Gemma 3 file's norms less the one llama.cpp's converter added to them:
-``Gemma3ForCausalLM``'s; a gpt-oss file's experts stacked as ``GptOssForCausalLM`` holds them).
+``Gemma3ForCausalLM``'s; a gpt-oss file's experts stacked as ``GptOssForCausalLM`` holds them; a GLM-4.5 file's
+multi-token prediction block left unread, as ``Glm4MoeForCausalLM`` leaves it).
 
 The header is parsed here rather than with ``gguf.GGUFReader``: that reader builds a numpy view for every
 element of every array, which costs seconds on a vocabulary of 50k-150k strings, while the loop below
@@ -64,9 +65,10 @@ _ARCHITECTURES = {
     "granite": "granite",
     "gpt-oss": "gpt_oss",
     "smollm3": "smollm3",
+    "glm4moe": "glm4_moe",
 }
 # The architectures whose files llama.cpp writes with a router and stacked experts that this loader reads.
-_MOE_ARCHITECTURES = ("qwen3_moe", "gpt_oss")
+_MOE_ARCHITECTURES = ("qwen3_moe", "gpt_oss", "glm4_moe")
 
 # Per-layer GGUF tensor name -> Hugging Face suffix under ``model.layers.{i}.``.
 _LAYER_TENSORS = {
@@ -134,6 +136,40 @@ _GPT_OSS_MLP = (
 # (GptOssConfig's defaults, which CONFIG_DEFAULTS holds.)
 _GPT_OSS_SWIGLU_ALPHA = CONFIG_DEFAULTS["gpt_oss"]["swiglu_alpha"]
 _GPT_OSS_SWIGLU_LIMIT = CONFIG_DEFAULTS["gpt_oss"]["swiglu_limit"]
+# GLM-4.5's (llama.cpp's glm4moe, its converter's Glm4MoeModel): its norm before the MLP is post_attention_norm (as
+# gpt-oss's), q/k/v have biases (attn_{q,k,v}.bias), the MLP of its first leading_dense_block_count layers is dense
+# (ffn_gate/up/down), and its head norms (attn_q_norm, attn_k_norm: :data:`_HEAD_NORM_TENSORS`) are GLM-4.5's but not
+# Air's. A sparse layer's router and stacked experts are every mixture's (:data:`_ROUTER_TENSOR`,
+# :data:`_EXPERT_TENSORS`); its own tensors beside them are :data:`_GLM4_MOE_SPARSE_TENSORS`. Neither q nor k is
+# permuted: llama.cpp runs its RoPE on rotating halves (NEOX), as transformers does.
+_GLM4_MOE_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# A sparse GLM-4.5 layer's shared experts (``expert_shared_count`` experts' worth of a dense MLP) and its router's
+# correction of each expert's score for choosing it (transformers' ``e_score_correction_bias``, which llama.cpp's
+# converter renames to a bias of ``exp_probs_b``), by GGUF name less ``blk.N.``.
+_GLM4_MOE_SPARSE_TENSORS = {
+    "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+}
+_GLM4_MOE_SCORE_BIAS = "exp_probs_b.bias"
+# A glm4moe file's multi-token prediction (its config's num_nextn_predict_layers, the file's nextn_predict_layers):
+# whole blocks after the decoder's (block_count counts them), each with tensors of its own under ``blk.N.nextn.``
+# (eh_proj, enorm, hnorm, embed_tokens, shared_head_head, shared_head_norm). llama.cpp loads and skips them, as
+# transformers' Glm4MoeForCausalLM leaves them unread: none is read here (:func:`_is_prediction_block`).
+_NEXTN = "nextn"
+# llama.cpp's expert_gating_func values (gguf.ExpertGatingFuncType; 0 none, which its glm4moe runs as sigmoid).
+_GATING_SIGMOID = (0, 2)
 
 
 class _GemmaFile(NamedTuple):
@@ -335,13 +371,19 @@ def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 def hf_tensor_name(gguf_name: str, model_type: str = "llama") -> str | None:
     """The Hugging Face parameter name for a GGUF tensor name of a ``model_type`` model (``ModelArch``'s); ``None``
     for a tensor that is not a parameter. (A gpt-oss file's gate and up experts, apart or fused, are both named by the
-    one tensor of transformers' they make, ``mlp.experts.gate_up_proj``, and their biases by ``gate_up_proj_bias``.)"""
+    one tensor of transformers' they make, ``mlp.experts.gate_up_proj``, and their biases by ``gate_up_proj_bias``. A
+    glm4moe file's ``nextn`` tensors are none; the rest of its prediction blocks are named as layers past the
+    decoder's, as its checkpoint names them, which :func:`read_gguf` leaves unread.)"""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     if gguf_name in _METADATA_TENSORS:
         return None
     parts = gguf_name.split(".")
     is_layer = len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit()
+    if model_type == "glm4_moe" and len(parts) == 5 and parts[0] == "blk" and parts[2] == _NEXTN:
+        return None  # (a multi-token prediction block's own tensor: blk.N.nextn.eh_proj.weight...)
+    if is_layer and model_type == "glm4_moe" and f"{parts[2]}.{parts[3]}" in _GLM4_MOE_SPARSE_TENSORS:
+        return f"model.layers.{parts[1]}.{_GLM4_MOE_SPARSE_TENSORS[f'{parts[2]}.{parts[3]}']}"
     if is_layer and model_type == "gpt_oss" and parts[2] == _GPT_OSS_SINKS and parts[3] == "weight":
         return f"model.layers.{parts[1]}.self_attn.sinks"
     if is_layer and model_type == "gpt_oss" and parts[2] in _GPT_OSS_EXPERT_PARTS and parts[3] in ("weight", "bias"):
@@ -358,8 +400,8 @@ def hf_tensor_name(gguf_name: str, model_type: str = "llama") -> str | None:
     if is_layer and parts[2] in _EXPERT_TENSORS and parts[3] == "weight":  # stacked: split by expert at load
         return f"model.layers.{parts[1]}.mlp.experts.{{}}.{_EXPERT_TENSORS[parts[2]]}.weight"
     raise ValueError(
-        f"unexpected GGUF tensor {gguf_name!r}: this loader knows only llama/qwen2/qwen3/phi3/gemma/granite/gpt-oss "
-        "decoder tensors"
+        f"unexpected GGUF tensor {gguf_name!r}: this loader knows only llama/qwen2/qwen3/phi3/gemma/granite/gpt-oss/"
+        "glm4moe decoder tensors"
     )
 
 
@@ -369,6 +411,8 @@ def _layer_tensors(model_type: str) -> dict[str, str]:
         return _PHI3_LAYER_TENSORS
     if model_type == "gpt_oss":
         return _GPT_OSS_LAYER_TENSORS
+    if model_type == "glm4_moe":
+        return _GLM4_MOE_LAYER_TENSORS
     return _GEMMA_LAYER_TENSORS if model_type in GEMMA_ARCHITECTURES else _LAYER_TENSORS
 
 
@@ -384,6 +428,13 @@ def _expected_parameters(arch: ModelArch) -> set[str]:
             layer -= {f"model.layers.{i}.mlp.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")}
             layer.add(f"model.layers.{i}.mlp.gate.weight")
             layer.update(f"model.layers.{i}.mlp.experts.{{}}.{m}.weight" for m in _EXPERT_TENSORS.values())
+            if arch.model_type == "glm4_moe":  # (its score correction; its shared experts where it has any)
+                own = [
+                    n
+                    for k, n in _GLM4_MOE_SPARSE_TENSORS.items()
+                    if k == _GLM4_MOE_SCORE_BIAS or arch.num_shared_experts
+                ]
+                layer.update(f"model.layers.{i}.{name}" for name in own)
         names.update(layer)
         if arch.qkv_bias:
             names.update(f"model.layers.{i}.self_attn.{p}_proj.bias" for p in "qkv")
@@ -394,6 +445,14 @@ def _expected_parameters(arch: ModelArch) -> set[str]:
         if arch.qk_norm:
             names.update(f"model.layers.{i}.{suffix}.weight" for suffix in _HEAD_NORM_TENSORS.values())
     return names
+
+
+def _is_prediction_block(gguf_name: str, arch: ModelArch) -> bool:
+    """Whether ``gguf_name`` is a tensor of a glm4moe file's multi-token prediction blocks, the layers past its
+    decoder's (:data:`_NEXTN`)."""
+    parts = gguf_name.split(".")
+    in_block = len(parts) >= 4 and parts[0] == "blk" and parts[1].isdigit()
+    return arch.model_type == "glm4_moe" and in_block and int(parts[1]) >= arch.num_layers
 
 
 def _gpt_oss_part(gguf_name: str) -> str | None:
@@ -539,19 +598,21 @@ def _rope_scaling(
 
 def _partial_rotary_factor(meta: Mapping[str, Any], prefix: str, model_type: str, head_dim: int) -> float:
     """``ModelArch.partial_rotary_factor`` of a file's ``rope.dimension_count``, the leading dimensions of each head
-    RoPE rotates: 1 for the whole head; for a phi3 file Phi-4-mini's share (its converter writes
-    ``int(head_dim * partial_rotary_factor)``, 96 of 128); any other architecture's refused, as its config's is."""
+    RoPE rotates: 1 for the whole head; for a phi3 file Phi-4-mini's share, for a glm4moe file GLM-4.5's half (their
+    converters write ``int(head_dim * partial_rotary_factor)``: 96 of 128, 64 of 128); any other architecture's
+    refused, as its config's is."""
     rotated = int(meta.get(f"{prefix}.rope.dimension_count", head_dim))
     if rotated == head_dim:
         return 1.0
-    if model_type != "phi3":
+    if model_type not in ("phi3", "glm4_moe"):
         raise ValueError("GGUF model applies RoPE to part of each head only, which ModelArch cannot express")
     share = rotated / head_dim
     # (ModelArch truncates head_dim * share back to the dimensions rotated: a share that rounds below them is refused
     # rather than rotating one pair fewer.)
     if not 0 < rotated < head_dim or int(head_dim * share) != rotated:
         raise ValueError(
-            f"GGUF phi3 model rotates {rotated} of each head's {head_dim} dimensions, which ModelArch cannot express"
+            f"GGUF {prefix} model rotates {rotated} of each head's {head_dim} dimensions, which ModelArch cannot "
+            "express"
         )
     return share
 
@@ -662,15 +723,23 @@ def model_arch_from_gguf(
     if model_type not in _MOE_ARCHITECTURES and any(_ROUTER_TENSOR in name for name in tensor_shapes):
         raise ValueError(
             f"this GGUF {prefix} model is a mixture of experts (Mixtral's, in llama.cpp's layout), which this loader "
-            "does not read; Qwen3-MoE's (qwen3moe) and gpt-oss's it does, and Mixtral loads from a Hugging Face "
-            "directory"
+            "does not read; Qwen3-MoE's (qwen3moe), gpt-oss's and GLM-4.5's (glm4moe) it does, and Mixtral loads "
+            "from a Hugging Face directory"
         )
-    gpt_oss = model_type == "gpt_oss"
-    layers = int(key("block_count"))
+    gpt_oss, glm = model_type == "gpt_oss", model_type == "glm4_moe"
+    # (A glm4moe file's block_count counts its multi-token prediction blocks after the decoder's: llama.cpp's n_layer
+    # is what is left.)
+    layers = int(key("block_count")) - (_prediction_blocks(meta, prefix, tensor_shapes) if glm else 0)
     experts = int(meta.get(f"{prefix}.expert_count", 0)) if model_type == "qwen3_moe" else 0
-    experts = int(key("expert_count")) if gpt_oss else experts
-    # (Every layer of gpt-oss's is sparse, as transformers builds it: one whose router is missing is a missing tensor.)
-    sparse = tuple(i for i in range(layers) if gpt_oss or f"blk.{i}.{_ROUTER_TENSOR}.weight" in tensor_shapes)
+    experts = int(key("expert_count")) if gpt_oss or glm else experts
+    # (Every layer of gpt-oss's is sparse, as transformers builds it: one whose router is missing is a missing tensor.
+    # GLM-4.5's are from leading_dense_block_count on, as llama.cpp reads it: 0 where the file has none.)
+    dense = int(meta.get(f"{prefix}.leading_dense_block_count", 0)) if glm else 0
+    sparse = tuple(
+        i
+        for i in range(layers)
+        if gpt_oss or (glm and i >= dense) or (not glm and f"blk.{i}.{_ROUTER_TENSOR}.weight" in tensor_shapes)
+    )
     context_length = int(key("context_length", 2048))
     if _has_longrope_factors(tensor_shapes, model_type, int(head_dim * partial) // 2):
         rope_scaling = _longrope_scaling(meta, prefix, longrope_factors, context_length)
@@ -691,7 +760,7 @@ def model_arch_from_gguf(
         vocab_size=int(vocab_size),
         hidden_size=int(key("embedding_length")),
         intermediate_size=int(key("feed_forward_length")),
-        num_layers=int(key("block_count")),
+        num_layers=layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
@@ -700,13 +769,14 @@ def model_arch_from_gguf(
         max_position_embeddings=context_length,
         tie_word_embeddings="output.weight" not in tensor_shapes,
         qkv_bias="blk.0.attn_q.bias" in tensor_shapes,
-        qk_norm=model_type in QK_NORM_ARCHITECTURES,
+        # (GLM-4.5's head norms are in its file or not, as its config's use_qk_norm says: llama.cpp reads them so.)
+        qk_norm=model_type in QK_NORM_ARCHITECTURES or (glm and "blk.0.attn_q_norm.weight" in tensor_shapes),
         num_experts=experts,
         num_experts_per_tok=int(key("expert_used_count")) if experts else 0,
         moe_intermediate_size=int(key("expert_feed_forward_length")) if experts else 0,
         # (llama.cpp's qwen3moe always renormalizes the chosen experts' weights; gpt-oss's softmax over the chosen
-        # logits alone gives the same weights)
-        norm_topk_prob=bool(experts),
+        # logits alone gives the same weights; glm4moe's as its expert_weights_norm says, not where it says nothing)
+        norm_topk_prob=bool(meta.get(f"{prefix}.expert_weights_norm", False)) if glm else bool(experts),
         sparse_layers=sparse if experts else (),
         rope_scaling=rope_scaling,
         sliding_window=int(window) if window and (model_type in ("mistral", "phi3", "gpt_oss") or gemma) else None,
@@ -728,7 +798,60 @@ def model_arch_from_gguf(
         nope_layers=tuple(i for i in range(layers) if (i + 1) % 4 == 0) if model_type == "smollm3" else (),
         **(_granite_multipliers(meta, prefix) if model_type == "granite" else {}),
         **(_gpt_oss_swiglu(meta, prefix, layers) if gpt_oss else {}),
+        **(_glm4_moe_routing(meta, prefix) if glm else {}),
     )
+
+
+def _prediction_blocks(meta: Mapping[str, Any], prefix: str, tensor_shapes: Mapping[str, tuple[int, ...]]) -> int:
+    """How many of a glm4moe file's blocks are multi-token prediction's, after the decoder's: its
+    ``nextn_predict_layers`` (0 where it has none: llama.cpp's). A file whose ``nextn`` tensors lie in a decoder's
+    layer is refused (llama.cpp refuses it too: they are no tensors of a decoder layer)."""
+    blocks, count = int(meta[f"{prefix}.block_count"]), int(meta.get(f"{prefix}.nextn_predict_layers", 0))
+    if not 0 <= count < blocks:
+        raise ValueError(f"GGUF {prefix} model's nextn_predict_layers {count} is not below its block_count {blocks}")
+    stray = sorted(
+        {int(p[1]) for p in (n.split(".") for n in tensor_shapes) if len(p) == 5 and p[2] == _NEXTN and p[1].isdigit()}
+        - set(range(blocks - count, blocks))
+    )
+    if stray:
+        raise ValueError(
+            f"GGUF {prefix} model holds multi-token prediction (nextn) tensors in block {stray[0]}, but its "
+            f"nextn_predict_layers ({count}) makes only blocks {blocks - count}..{blocks - 1} prediction blocks"
+        )
+    return count
+
+
+def _glm4_moe_routing(meta: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    """A glm4moe file's routing, as llama.cpp reads it: sigmoid scores (``expert_gating_func`` sigmoid, or none,
+    which its glm4moe runs as sigmoid; softmax is refused: no GLM-4.5 routes so); ``expert_shared_count`` shared
+    experts (a key llama.cpp requires); the weights scaled by ``expert_weights_scale`` (not where it is 0 or missing,
+    as llama.cpp skips a scale of 0); and groups, ``expert_group_count`` of them of which ``expert_group_used_count``
+    are chosen, as llama.cpp's MoE reads them for every architecture (converters since late 2025 write the config's
+    ``n_group`` and ``topk_group``; an older file holds none: one group, which GLM-4.5's, Air's and 4.6's configs
+    say too)."""
+    gating = int(meta.get(f"{prefix}.expert_gating_func", 0))
+    if gating not in _GATING_SIGMOID:
+        raise ValueError(
+            f"GGUF {prefix} model's expert_gating_func is {gating}: GLM-4.5's experts are chosen by sigmoid scores (2)"
+        )
+    shared = meta.get(f"{prefix}.expert_shared_count")
+    if shared is None:
+        raise ValueError(f"GGUF metadata lacks {prefix}.expert_shared_count")
+    groups = int(meta.get(f"{prefix}.expert_group_count", 0)) or 1
+    chosen = int(meta.get(f"{prefix}.expert_group_used_count", 0)) or (1 if groups == 1 else 0)
+    if not 0 < chosen <= groups:
+        raise ValueError(
+            f"GGUF {prefix} model's experts are in {groups} groups of which expert_group_used_count "
+            f"{meta.get(f'{prefix}.expert_group_used_count')!r} are chosen: 1 to {groups} are needed"
+        )
+    scale = _f32(meta.get(f"{prefix}.expert_weights_scale", 0.0)) or 1.0
+    return {
+        "num_shared_experts": int(shared),
+        "expert_score": "sigmoid",
+        "expert_groups": groups,
+        "expert_groups_chosen": chosen,
+        "routed_scaling_factor": scale,
+    }
 
 
 def _full_attention_layers(
@@ -863,7 +986,8 @@ def read_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float3
 
     Supports the ``llama`` (Llama 1-3, Mistral, SmolLM...), ``qwen2``, ``qwen3``, ``qwen3moe``, ``phi3`` (Phi-3 and
     Phi-4, Phi-4-mini's RoPE on part of each head and the 128k-context models' LongRoPE), ``gemma2``, ``gemma3``,
-    ``granite`` (Granite 3) and ``gpt-oss`` (its experts in ggml's MXFP4 or any other type, gate and up apart or fused)
+    ``granite`` (Granite 3), ``gpt-oss`` (its experts in ggml's MXFP4 or any other type, gate and up apart or fused),
+    ``smollm3`` and ``glm4moe`` (GLM-4.5, GLM-4.5-Air, GLM-4.6: its multi-token prediction blocks unread)
     architectures.
     ``dtype`` is what the returned tensors are cast to after float32 dequantization, each as it is dequantized.
     """
@@ -882,7 +1006,11 @@ def read_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float3
     shapes = {name: info.shape for name, info in header.tensors.items()}
     arch = model_arch_from_gguf(meta, shapes, rope_factors=rope_factors, longrope_factors=longrope, tokenizer=tokenizer)
     # Check names before the expensive part: unknown tensors raise in hf_tensor_name, missing ones here.
-    wanted = [info for name, info in header.tensors.items() if hf_tensor_name(name, model_type) is not None]
+    wanted = [
+        info
+        for name, info in header.tensors.items()
+        if hf_tensor_name(name, model_type) is not None and not _is_prediction_block(name, arch)
+    ]
     missing = _expected_parameters(arch) - {hf_tensor_name(info.name, model_type) for info in wanted}
     missing = {name.format("*") for name in missing}
     if missing:
@@ -907,6 +1035,8 @@ def read_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float3
         tensor = torch.from_numpy(array)
         if dtype == torch.float32 or (arch.fp32_norms and info.name.endswith("norm.weight")):
             return tensor  # (a norm the model holds in fp32 takes its weight unrounded, as read whole before)
+        if model_type == "glm4_moe" and info.name.endswith(f".{_GLM4_MOE_SCORE_BIAS}"):
+            return tensor  # (GLM-4.5's score correction, held in fp32 whatever the model's type: SparseMoE's)
         return tensor.to(dtype)
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:

@@ -148,12 +148,16 @@ def quantized_experts_form(quantized: object, arch: ModelArch) -> str | None:
     (e4m3 weights in blocks that tile every expert matrix: Qwen3-MoE's FP8 checkpoints), else None."""
     if isinstance(quantized, Mxfp4Checkpoint):
         return "mxfp4"
-    if not isinstance(quantized, QuantizedCheckpoint) or quantized.block is None or not arch.num_experts:
+    # (quant_method fp8's one block for every weight: compressed-tensors' groups may give the experts another.)
+    if not isinstance(quantized, QuantizedCheckpoint) or quantized.method != "fp8" or quantized.block is None:
+        return None
+    if not arch.num_experts:
         return None
     rows, cols = quantized.block
     inter, hidden = arch.moe_intermediate_size, arch.hidden_size
     tiled = not (inter % rows or hidden % rows or inter % cols or hidden % cols)
-    return "fp8" if tiled and cols >= 16 else None  # (a tile of the kernel's product is 16 inputs at least)
+    # (The kernel's tiles of inputs, powers of two of 16 or more, must fall within one block's: 128, not 48.)
+    return "fp8" if tiled and cols >= 16 and not cols & (cols - 1) else None
 
 
 def holds_quantized_experts(asked: bool | None, form: str | None, device: torch.device, ranks: int) -> bool:

@@ -96,36 +96,40 @@ class SparseMoE(nn.Module):
         self.fp8_block = (1, 0)  # held in fp8: the block a scale covers (rows, inputs; 0 inputs: the whole row)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> SparseMoE:
-        before = None if self.score_bias is None else self.score_bias.data
+        # (GLM-4.5's router and its correction stay in fp32 whatever the model's type, as transformers and vLLM hold
+        # them: a cast to the model's type only moves them.)
+        kept = [] if self.score_bias is None else [(p, p.data) for p in (self.router, self.score_bias)]
         super()._apply(fn, recurse)
-        if before is not None and self.score_bias is not None and self.score_bias.dtype != torch.float32:
-            self.score_bias.data = before.to(self.score_bias.device)  # (the model cast to its type: this only moves)
+        for param, before in kept:
+            if param.dtype != torch.float32:
+                param.data = before.to(param.device)
         return self
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts [tokens, top_k] and their weights, as transformers' router computes them: a softmax
-        in fp32 over the router's logits, the top k, renormalized to sum to one with ``norm_topk_prob``; or GLM-4.5's
-        sigmoid scores (:meth:`_sigmoid_route`)."""
+        in fp32 over the router's logits, the top k, renormalized to sum to one with ``norm_topk_prob`` (the weights
+        in ``x``'s type); or GLM-4.5's sigmoid scores (:meth:`_sigmoid_route`, the weights in fp32)."""
         packed = self.packed_router
         if packed is not None and x.device.type == "cpu" and x.dtype == torch.float32:
             logits = packed.matmul(x if x.dim() == 2 and x.stride(1) == 1 else x.reshape(-1, x.shape[-1]).contiguous())
-        elif self.score_bias is not None:  # (GLM-4.5's router runs in fp32, as transformers runs it)
-            logits = F.linear(x.float(), self.router.float())
+        elif self.score_bias is not None:  # (GLM-4.5's router: in fp32, as transformers runs it)
+            logits = F.linear(x.float(), self.router)
         else:
             logits = F.linear(x, self.router, self.router_bias)
         if self.score_bias is not None:
-            return self._sigmoid_route(logits, x.dtype)
+            return self._sigmoid_route(logits)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights /= weights.sum(dim=-1, keepdim=True)
         return experts, weights.to(x.dtype)
 
-    def _sigmoid_route(self, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sigmoid_route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """GLM-4.5's (DeepSeek-V3's) choice, as transformers' Glm4MoeTopkRouter makes it: sigmoid scores; each group's
         worth its two best corrected scores (score plus ``score_bias``), the best ``groups_chosen`` groups kept; the
         top k corrected scores among them; their plain scores renormalized (``norm_topk_prob``) and scaled by
-        ``routed_scaling_factor``."""
+        ``routed_scaling_factor``, in fp32 (each expert's rounded output is weighted in fp32 and rounded once, as
+        transformers weights it)."""
         assert self.score_bias is not None
         scores = logits.float().sigmoid()
         choice = scores + self.score_bias
@@ -139,7 +143,7 @@ class SparseMoE(nn.Module):
         weights = scores.gather(1, experts)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return experts, (weights * self.routed_scaling_factor).to(dtype)
+        return experts, weights * self.routed_scaling_factor
 
     def shared(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor | None:
         """The shared experts' output for rows ``x`` (None without them): a SiLU-gated MLP, on the native kernels
@@ -301,7 +305,7 @@ class SparseMoE(nn.Module):
                 gate_up_weight, down_weight = self.expert(expert, x.dtype)
                 halves = F.linear(x[rows], gate_up_weight, None if gate_up_bias is None else gate_up_bias[expert])
                 y = F.linear(self.activate(halves), down_weight, None if down_bias is None else down_bias[expert])
-            out.index_add_(0, rows, y * picked[start : start + count, None])
+            out.index_add_(0, rows, (y * picked[start : start + count, None]).to(out.dtype))
             start += count
         shared = self.shared(x)
         return out if shared is None else out + shared

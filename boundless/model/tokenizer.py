@@ -85,6 +85,9 @@ _GGUF_PRE_TOKENIZERS: dict[str, _PreTokenizer] = {
     "gpt-2": _GPT2_PRE,
     "gpt2": _GPT2_PRE,
     "gpt-4o": _PreTokenizer((_GPT4O,)),
+    # (llama.cpp's CHATGLM4: GLM-4's and GLM-4.5's, Llama 3's regex, whole-word tokens merged as any, no BOS.)
+    "glm4": _PreTokenizer((_LLAMA3,)),
+    "chatglm-bpe": _PreTokenizer((_LLAMA3,)),
     "default": _DEFAULT_PRE,
 }
 SUPPORTED_GGUF_PRE_TOKENIZERS = tuple(sorted(_GGUF_PRE_TOKENIZERS))

@@ -180,3 +180,101 @@ def write_gpt_oss_gguf(
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def write_glm4_moe_gguf(
+    source: Path,
+    path: Path,
+    qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+    skip: tuple[str, ...] = (),
+    groups: bool = True,
+) -> dict[str, torch.Tensor]:
+    """The GLM-4.5 directory ``source`` as llama.cpp's converter (``Glm4MoeModel``) writes it, at ``path``:
+    architecture ``glm4moe``; ``block_count`` its decoder's layers and its multi-token prediction layers after them
+    (``nextn_predict_layers``), each head's size, RoPE on ``int(head_dim * partial_rotary_factor)`` dimensions, the
+    experts' count, size and shared count, the leading dense layers, sigmoid gating, the weights' scale and
+    renormalization; the groups of experts and those chosen (``expert_group_count`` and ``expert_group_used_count``,
+    which llama.cpp's converters write since late 2025: an older file's have none, ``groups`` false); the directory's
+    vocabulary (under GPT-2's pre-tokenizer: the converter's own is ``glm4``). Tensors under ``gguf``'s name map: the
+    router ``ffn_gate_inp``, the experts stacked [experts, out, in] (``ffn_{gate,up,down}_exps``), the score correction
+    ``exp_probs_b.bias`` (the converter's renaming of ``e_score_correction_bias``), the shared experts
+    ``ffn_{gate,up,down}_shexp``, the prediction layer's own ``blk.N.nextn.*``, and beside them, as GLM-4.5's
+    prediction layer is a whole decoder layer, the last decoder layer's tensors under its block (the tiny directory
+    saves two of its tensors only). Matrices in ``qtype`` (``gguf``'s quantizer), norms and biases in F32, as
+    llama.cpp's quantizer leaves them. Tensors named in ``skip`` are left out.
+
+    Returns the Hugging Face-named tensors (float32) a reader must give: the directory's, as ``gguf``'s reference
+    dequantizes what was written, each expert's matrices apart, without the prediction layer's."""
+    from safetensors.torch import load_file
+
+    config = json.loads((source / "config.json").read_text())
+    layers, nextn = config["num_hidden_layers"], config.get("num_nextn_predict_layers", 0)
+    blocks, head_dim = layers + nextn, config["head_dim"]
+    writer = gguf.GGUFWriter(path, arch=gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.GLM4_MOE])
+    add_shape(writer, {**config, "num_hidden_layers": blocks}, head_dim=True)
+    writer.add_rope_freq_base(config["rope_theta"])
+    writer.add_rope_dimension_count(int(head_dim * config.get("partial_rotary_factor", 0.5)))
+    writer.add_expert_count(config["n_routed_experts"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    if groups:
+        writer.add_expert_group_count(config["n_group"])
+        writer.add_expert_group_used_count(config["topk_group"])
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    writer.add_expert_shared_count(config["n_shared_experts"])
+    writer.add_leading_dense_block_count(config["first_k_dense_replace"])
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    writer.add_expert_weights_scale(config["routed_scaling_factor"])
+    writer.add_expert_weights_norm(config["norm_topk_prob"])
+    if nextn:
+        writer.add_nextn_predict_layers(nextn)
+    add_bpe_vocabulary(writer, json.loads((source / "tokenizer.json").read_text()))
+    writer.add_bos_token_id(config["bos_token_id"])
+    writer.add_eos_token_id(config["eos_token_id"])
+
+    expected: dict[str, torch.Tensor] = {}
+
+    def add(gguf_name: str, array: np.ndarray) -> np.ndarray:
+        """Write ``array`` (norms and biases in F32, matrices in ``qtype``); what reading it back gives."""
+        if gguf_name in skip:
+            return array
+        if array.ndim < 2 or qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name, array)
+            return array
+        packed = gguf.quants.quantize(array, qtype)
+        writer.add_tensor(gguf_name, packed, raw_dtype=qtype)
+        return gguf.quants.dequantize(packed, qtype).astype(np.float32)
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GLM4_MOE, blocks)
+    weights = {name: tensor.float().numpy() for name, tensor in load_file(str(source / "model.safetensors")).items()}
+    last = f"model.layers.{layers - 1}."
+    weights.update(
+        {f"model.layers.{layers}.{n.removeprefix(last)}": w for n, w in weights.items() if n.startswith(last)}
+    )
+
+    def in_decoder(name: str) -> bool:
+        return not name.startswith("model.layers.") or int(name.split(".")[2]) < layers
+
+    stacks: dict[str, list[str]] = {}  # (a layer's stacked tensor: its experts' names, by expert)
+    for name, array in weights.items():
+        parts = name.split(".")
+        if parts[3:5] == ["mlp", "experts"]:  # (model.layers.L.mlp.experts.E.W.weight: written stacked, below)
+            stacks.setdefault(f"model.layers.{parts[2]}.mlp.experts.{parts[6]}.weight", []).append(name)
+            continue
+        hf_name = name.replace("e_score_correction_bias", "e_score_correction.bias")  # (the converter's renaming)
+        gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, name
+        back = add(gguf_name, array)
+        if in_decoder(name):
+            expected[name] = torch.from_numpy(back)
+    for stacked, members in stacks.items():
+        members.sort(key=lambda n: int(n.split(".")[5]))
+        gguf_name = names.get_name(stacked, try_suffixes=(".weight",))
+        assert gguf_name is not None, stacked
+        back = add(gguf_name, np.stack([weights[n] for n in members]))
+        if in_decoder(stacked):
+            expected.update((n, torch.from_numpy(back[e])) for e, n in enumerate(members))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return expected

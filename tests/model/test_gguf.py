@@ -6,6 +6,7 @@ import dataclasses
 import importlib.util
 import json
 import math
+import shutil
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -17,7 +18,13 @@ import numpy as np
 import pytest
 import torch
 from gguf.constants import GGMLQuantizationType
-from model_files import llama_cpp_permute, step_logits, write_directory_gguf, write_gpt_oss_gguf
+from model_files import (
+    llama_cpp_permute,
+    step_logits,
+    write_directory_gguf,
+    write_glm4_moe_gguf,
+    write_gpt_oss_gguf,
+)
 from tokenizers import pre_tokenizers
 
 from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -917,6 +924,116 @@ def test_a_gpt_oss_file_takes_llama_cpps_swiglu_and_refuses_missing_experts(
         _check_gpt_oss_experts(both)
 
 
+# --------------------------------------------------------------------------------------------------
+# GLM-4.5 (glm4moe)
+
+# The matrices' type in the file: the directory's own weights (F32), and a quantized type (Q8_0), whose values a copy of
+# the directory holds to run beside the file.
+GLM4_MOE_FILES = {"f32": Q.F32, "q8_0": Q.Q8_0}
+
+
+def _directory_of(source: Path, weights: dict[str, torch.Tensor], path: Path) -> Path:
+    """A copy of the directory ``source`` (its config and tokenizer) with ``weights`` in place of its own."""
+    from safetensors.torch import save_file
+
+    shutil.copytree(source, path, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file({name: tensor.contiguous() for name, tensor in weights.items()}, str(path / "model.safetensors"))
+    return path
+
+
+def _mixtures(loaded: LoadedModel) -> list[Any]:
+    return [layer.moe for layer in loaded.model.layers if layer.moe is not None]
+
+
+@pytest.mark.parametrize("kind", sorted(GLM4_MOE_FILES))
+def test_a_glm4_moe_gguf_file_runs_as_its_directory(model_dirs: dict[str, Path], tmp_path: Path, kind: str) -> None:
+    """GLM-4.5's files (llama.cpp's ``glm4moe``): the architecture its directory's, from the whole file and from its
+    header alone (3 layers of the file's 4 blocks, the last multi-token prediction's; the first dense, 8 experts in 4
+    groups of which 2 are chosen, a shared expert, the weights renormalized and scaled by 2.5, sigmoid scores, q/k/v
+    biases, head norms, RoPE on 16 of each head's 32 dimensions); its tensors the directory's to the bit (each
+    expert's apart from llama.cpp's stacks, the score correction from ``exp_probs_b.bias``, held in fp32 in a
+    bfloat16 read), the prediction block's none; and the same logits at every step, to the bit (a quantized file's
+    beside a directory of its values)."""
+    source = model_dirs["tiny-glm4-moe"]
+    path = tmp_path / f"glm4-moe-{kind}.gguf"
+    expected = write_glm4_moe_gguf(source, path, GLM4_MOE_FILES[kind])
+    header = read_gguf_header(path)
+    assert header.metadata["general.architecture"] == "glm4moe" and gguf_model_type(header.metadata) == "glm4_moe"
+    assert header.metadata["glm4moe.block_count"] == 4 and "blk.3.nextn.eh_proj.weight" in header.tensors
+    assert header.tensors["blk.1.ffn_up_exps.weight"].qtype == GLM4_MOE_FILES[kind]
+    theirs = ModelArch.from_hf_config(json.loads((source / "config.json").read_text()))
+    model = load_gguf(path)
+    arch = model.arch
+    assert dataclasses.replace(arch, eos_token_ids=theirs.eos_token_ids) == theirs
+    assert (arch.num_layers, arch.sparse_layers, arch.num_experts, arch.num_shared_experts) == (3, (1, 2), 8, 1)
+    assert (arch.expert_score, arch.expert_groups, arch.expert_groups_chosen) == ("sigmoid", 4, 2)
+    assert (arch.routed_scaling_factor, arch.norm_topk_prob, arch.rotary_dim) == (2.5, True, 16)
+    assert arch.qkv_bias and arch.qk_norm and not arch.tie_word_embeddings
+    alone = model_arch_from_gguf(header.metadata, {name: info.shape for name, info in header.tensors.items()})
+    assert dataclasses.replace(alone, eos_token_ids=theirs.eos_token_ids, bos_token_id=theirs.bos_token_id) == theirs
+    assert set(model.tensors) == set(expected) and not any(".layers.3." in name for name in model.tensors)
+    for name, tensor in model.tensors.items():
+        assert torch.equal(tensor, expected[name]), name
+    bias = "model.layers.2.mlp.gate.e_score_correction_bias"
+    assert torch.equal(dict(read_gguf(path, dtype=torch.bfloat16).weights)[bias], expected[bias])
+    directory = source if kind == "f32" else _directory_of(source, expected, tmp_path / "glm4-moe-q8_0")
+    from_dir, from_file = load_model(str(directory)), load_model(str(path))
+    prompts = [from_dir.tokenizer.encode(text) for text in PHI4_MINI_TEXTS[512]]
+    assert [from_file.tokenizer.encode(text) for text in PHI4_MINI_TEXTS[512]] == prompts
+    ours, theirs_logits = _greedy_with_logits(from_file, prompts, 512), _greedy_with_logits(from_dir, prompts, 512)
+    for i, (got, want) in enumerate(zip(ours, theirs_logits, strict=True)):
+        assert got.shape == (PHI4_MINI_NEW, arch.vocab_size)
+        assert torch.equal(got, want), (i, (got - want).abs().max().item())
+
+
+def test_a_glm4_moe_files_correction_groups_and_prediction_blocks_count(
+    model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """What the logits equal to the bit rest on: a file without a layer's score correction (``exp_probs_b``) or shared
+    expert is refused, and the model without its correction runs otherwise; a file without groups (an older
+    converter's) runs as one group, as llama.cpp runs it: the directory's model ungrouped, to the bit. A file whose
+    ``nextn`` tensors lie in a decoder block (its ``nextn_predict_layers`` gone) is refused, as is softmax gating; the
+    weights' renormalization and scale are llama.cpp's defaults where the file says nothing (none, 1)."""
+    source = model_dirs["tiny-glm4-moe"]
+    for skip, missing in (
+        ("blk.1.exp_probs_b.bias", "model.layers.1.mlp.gate.e_score_correction_bias"),
+        ("blk.2.ffn_down_shexp.weight", "model.layers.2.mlp.shared_experts.down_proj.weight"),
+    ):
+        broken = tmp_path / "broken.gguf"
+        write_glm4_moe_gguf(source, broken, skip=(skip,))
+        with pytest.raises(ValueError, match=rf"lacks tensors for \['{missing}'\]"):
+            load_gguf(broken)
+    path, ungrouped = tmp_path / "glm4-moe.gguf", tmp_path / "glm4-moe-ungrouped.gguf"
+    write_glm4_moe_gguf(source, path)
+    write_glm4_moe_gguf(source, ungrouped, groups=False)
+    from_dir, from_file, from_older = load_model(str(source)), load_model(str(path)), load_model(str(ungrouped))
+    assert (from_older.arch.expert_groups, from_older.arch.expert_groups_chosen) == (1, 1)
+    prompts = [from_dir.tokenizer.encode(text) for text in PHI4_MINI_TEXTS[512]]
+    want = _greedy_with_logits(from_dir, prompts, 512)
+    with torch.no_grad():
+        for moe in _mixtures(from_file):
+            moe.score_bias.zero_()
+    from_file.model._packed_key = None
+    assert not all(torch.equal(a, b) for a, b in zip(_greedy_with_logits(from_file, prompts, 512), want, strict=True))
+    older = _greedy_with_logits(from_older, prompts, 512)
+    assert not all(torch.equal(a, b) for a, b in zip(older, want, strict=True))
+    for moe in _mixtures(from_dir):
+        moe.groups = 1
+    from_dir.model._packed_key = None
+    for i, (got, ref) in enumerate(zip(older, _greedy_with_logits(from_dir, prompts, 512), strict=True)):
+        assert torch.equal(got, ref), (i, (got - ref).abs().max().item())
+    header = read_gguf_header(path)
+    shapes = {name: info.shape for name, info in header.tensors.items()}
+    meta = dict(header.metadata)
+    with pytest.raises(ValueError, match=r"nextn\) tensors in block 3"):
+        model_arch_from_gguf({k: v for k, v in meta.items() if k != "glm4moe.nextn_predict_layers"}, shapes)
+    with pytest.raises(ValueError, match="expert_gating_func is 1"):
+        model_arch_from_gguf({**meta, "glm4moe.expert_gating_func": 1}, shapes)
+    quiet = {k: v for k, v in meta.items() if k not in ("glm4moe.expert_weights_norm", "glm4moe.expert_weights_scale")}
+    arch = model_arch_from_gguf(quiet, shapes)
+    assert (arch.norm_topk_prob, arch.routed_scaling_factor) == (False, 1.0)
+
+
 def test_a_gemma2_file_without_its_window_or_caps_takes_llama_cpps(tmp_path: Path) -> None:
     """Gemma 2's early files (converters of mid-2024) hold neither its window nor its caps: llama.cpp's defaults (4,096
     on every other layer, 50 and 30), not none; a Gemma 2 file's window pattern is llama.cpp's whatever it says (its
@@ -953,6 +1070,21 @@ def test_hf_tensor_names() -> None:
     assert hf_tensor_name("blk.2.ffn_gate_inp.bias", "gpt_oss") == "model.layers.2.mlp.router.bias"
     assert hf_tensor_name("blk.2.ffn_up_exps.bias", "gpt_oss") == "model.layers.2.mlp.experts.gate_up_proj_bias"
     assert hf_tensor_name("blk.2.ffn_down_exps.weight", "gpt_oss") == "model.layers.2.mlp.experts.down_proj"
+    glm = {  # (llama.cpp's glm4moe names, gguf's own map of transformers' names)
+        "blk.1.post_attention_norm.weight": "model.layers.1.post_attention_layernorm.weight",
+        "blk.1.exp_probs_b.bias": "model.layers.1.mlp.gate.e_score_correction_bias",
+        "blk.1.ffn_gate_shexp.weight": "model.layers.1.mlp.shared_experts.gate_proj.weight",
+        "blk.1.ffn_gate_inp.weight": "model.layers.1.mlp.gate.weight",
+        "blk.1.ffn_up_exps.weight": "model.layers.1.mlp.experts.{}.up_proj.weight",
+        "blk.0.ffn_down.weight": "model.layers.0.mlp.down_proj.weight",
+        "blk.1.attn_q_norm.weight": "model.layers.1.self_attn.q_norm.weight",
+    }
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GLM4_MOE, 2)
+    for gguf_name, hf_name in glm.items():
+        assert hf_tensor_name(gguf_name, "glm4_moe") == hf_name
+        transformers_name = hf_name.replace("e_score_correction_bias", "e_score_correction.bias").replace("{}.", "")
+        assert names.get_name(transformers_name, try_suffixes=(".weight", ".bias")) == gguf_name
+    assert hf_tensor_name("blk.2.nextn.eh_proj.weight", "glm4_moe") is None
 
 
 def test_not_a_gguf_file(tmp_path: Path) -> None:

@@ -133,3 +133,41 @@ def test_gpt_oss_o_bias_is_rounded_once_with_its_product_in_bfloat16() -> None:
     assert torch.equal(layer._o_projection(attn, None, 0), want)
     layer.reduce = lambda partial: partial.mul_(2)  # (two ranks holding the same partial)
     assert torch.allclose(layer._o_projection(attn / 2, None, 0), want, rtol=2e-2, atol=2e-2)
+
+
+def test_glm4_moes_mixture_in_bfloat16_is_transformers_to_the_bit() -> None:
+    """GLM-4.5's mixture in bf16 as transformers' Glm4MoeMoE computes it: its router and score correction held in fp32
+    (the model cast to bf16 around them), the routing weights in fp32 weighting each expert's rounded output, the
+    shared expert added once; equal to the bit (the weights rounded to bf16 first, 4,750 of 16,384 outputs were not)."""
+    from transformers import Glm4MoeConfig
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE
+
+    cfg = dict(
+        model_type="glm4_moe", vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+        first_k_dense_replace=1, norm_topk_prob=True,
+    )  # fmt: skip
+    theirs = Glm4MoeMoE(Glm4MoeConfig(**cfg))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        theirs.gate.e_score_correction_bias.copy_(torch.rand(8, generator=g) * 0.5)
+    theirs = theirs.to(torch.bfloat16)
+    gate = theirs.gate
+    gate.weight.data, gate.e_score_correction_bias.data = gate.weight.data.float(), gate.e_score_correction_bias.float()
+    ours = SparseMoE(ModelArch.from_hf_config(cfg))
+    with torch.no_grad():
+        ours.router.copy_(gate.weight)
+        assert ours.score_bias is not None and ours.shared_gate_up is not None and ours.shared_down is not None
+        ours.score_bias.copy_(gate.e_score_correction_bias)
+        ours = ours.to(torch.bfloat16)
+        assert ours.router.dtype == ours.score_bias.dtype == torch.float32
+        ours.gate_up.copy_(theirs.experts.gate_up_proj)
+        ours.down.copy_(theirs.experts.down_proj)
+        shared = theirs.shared_experts
+        ours.shared_gate_up.copy_(torch.cat([shared.gate_proj.weight, shared.up_proj.weight]))
+        ours.shared_down.copy_(shared.down_proj.weight)
+        x = torch.randn(64, 64, generator=g).to(torch.bfloat16)
+        assert torch.equal(ours(x), theirs(x[None])[0])

@@ -221,3 +221,22 @@ def test_fp8_experts_in_blocks_that_do_not_tile_them_load_dequantized(tmp_path: 
         load_model(str(quantized), quantized_experts=True)
     moe = load_model(str(quantized)).model.layers[0].moe
     assert moe is not None and moe.held is None and moe.gate_up.dtype == torch.float32
+
+
+def test_fp8_experts_are_held_only_in_blocks_the_kernel_tiles() -> None:
+    """quant_method fp8 with blocks that tile the experts and that the kernel's tiles of inputs fall within (a power of
+    two of 16 or more: Qwen3's 128); blocks of 48 tile these experts but not the kernel's tiles: they load dequantized.
+    compressed-tensors' blocks may be one group's (another's the experts'): dequantized too."""
+    from boundless.model.arch import ModelArch
+    from boundless.model.loader import quantized_experts_form
+    from boundless.model.quantized_checkpoint import QuantizedCheckpoint
+
+    arch = ModelArch(
+        model_type="qwen3_moe", vocab_size=64, hidden_size=96, intermediate_size=64, num_layers=1, num_heads=4,
+        num_kv_heads=2, head_dim=24, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=64,
+        tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, sparse_layers=(0,),
+    )  # fmt: skip
+    assert quantized_experts_form(QuantizedCheckpoint("fp8", (16, 16)), arch) == "fp8"
+    assert quantized_experts_form(QuantizedCheckpoint("fp8", (48, 48)), arch) is None
+    assert quantized_experts_form(QuantizedCheckpoint("compressed-tensors", (16, 16)), arch) is None
+    assert quantized_experts_form(QuantizedCheckpoint("fp8", None), arch) is None

@@ -210,6 +210,30 @@ def test_gguf_pre_tokenizers_match_transformers(metadata: dict[str, Any], pre: s
         assert ours.encode(text) == expected.encode(text, add_special_tokens=False).ids, text
 
 
+@pytest.mark.parametrize("pre", ["glm4", "chatglm-bpe"])
+def test_gguf_glm4_pre_tokenizer_splits_as_llama3_without_whole_words_or_bos(
+    metadata: dict[str, Any], pre: str
+) -> None:
+    """llama.cpp's CHATGLM4 pre-tokenizer (GLM-4's and GLM-4.5's GGUF files): Llama 3's regex, a word that is itself a
+    token merged as any other (no ignore_merges), no BOS where the file says nothing of it."""
+    from transformers.integrations.gguf import convert_gguf_tokenizer
+
+    meta = {**metadata, "tokenizer.ggml.pre": pre}
+    meta.pop("tokenizer.ggml.add_bos_token", None)
+    tokenizer_dict = {
+        "tokenizer_type": "gpt2",
+        "pre_tokenizer_type": "llama-bpe",
+        "tokens": meta["tokenizer.ggml.tokens"],
+        "token_type": meta["tokenizer.ggml.token_type"],
+        "merges": meta["tokenizer.ggml.merges"],
+    }
+    expected, _ = convert_gguf_tokenizer("llama", tokenizer_dict)
+    expected.model.ignore_merges = False
+    ours = Tokenizer.from_gguf(meta)
+    for text in TEXTS + DIGIT_TEXTS + ["I'M YOU'RE we'Ll", "1234567 89", "  (x) [y] {z}\n\n  \n"]:
+        assert ours.encode(text) == expected.encode(text, add_special_tokens=False).ids, text
+
+
 # gpt-oss's tokenizer.json splits its text with o200k's regex, then maps bytes (GGUF's "gpt-4o" pre-tokenizer).
 _O200K = (
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
