@@ -209,6 +209,7 @@ def _product(
     # (Rows read and written along a stride of 1: a size-1 dimension's stride may be anything, and is never used.)
     assert (a.stride(-1) == 1 or a.shape[-1] == 1) and (out.stride(-1) == 1 or out.shape[-1] == 1)
     _, n_cols, k_cols = weight.shape
+    bias = None if bias is None else bias.contiguous()  # (an expert's bias read along a stride of 1)
     scale_block = (1, 0)
     if isinstance(weight, Mxfp4Stack):
         w, scales = weight.blocks.flatten(-2), weight.scales  # (bytes [experts, out, in / 2])

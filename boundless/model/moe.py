@@ -373,6 +373,8 @@ class SparseMoE(nn.Module):
         their gate and up columns (and biases, and the rows of MXFP4 blocks and scales) de-interleaved (gate the even
         ones, up the odd ones, as transformers' GptOssExperts reads them) into gate's half then up's; any other as it
         is (as is one of another shape: the caller refuses it)."""
+        if name in _MXFP4_PARAMETERS and tensor.dtype != torch.uint8:  # (a cast would make bytes of other values)
+            raise ValueError(f"MXFP4 {name} are uint8, not {tensor.dtype}")
         if self.gate_up_bias is None or tensor.dim() != _GPT_OSS_DIMS.get(name):
             return tensor
         if name == "experts.down_proj":

@@ -194,3 +194,21 @@ def test_mxfp4_scales_of_the_smallest_exponents_are_exact() -> None:
     fused_moe._product(want, x, dense, None, groups, 1, None, 32, 32)
     assert want.abs().max() > 0
     torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+
+
+@pytest.mark.skipif(not _TRITON_RUNS, reason="triton unavailable")
+def test_biases_of_any_layout_are_read_as_their_values() -> None:
+    """Biases given as strided views (a transposed tensor's) are read by value, not by a stride of 1 (the fuzzer's
+    find: they were read past their rows)."""
+    moe = _moe("gpt_oss", torch.float32, seed=9)
+    x = torch.randn(5, 48, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    assert moe.gate_up_bias is not None and moe.down_bias is not None
+    experts, weights = moe.route(x)
+    stacks = moe.stack("gate_up"), moe.stack("down")
+    with torch.no_grad():
+        want = fused_moe.expert_products(x, experts, weights, *stacks, moe.activate, moe.gate_up_bias, moe.down_bias)
+        strided = [b.t().contiguous().t() for b in (moe.gate_up_bias, moe.down_bias)]
+        assert strided[0].stride(1) != 1
+        torch.testing.assert_close(
+            fused_moe.expert_products(x, experts, weights, *stacks, moe.activate, *strided), want
+        )
