@@ -686,7 +686,10 @@ def _held(ref: Reference, loaded: LoadedModel) -> Reference:
     return other
 
 
-@pytest.mark.parametrize("part", [None, "score_bias", "groups", "scaling", "shared"])
+# (The correction in the fast set; the groups, the scale and the shared expert, ~3 s each here, in the slow one.)
+@pytest.mark.parametrize(
+    "part", [None, "score_bias", *(pytest.param(p, marks=pytest.mark.slow) for p in ("groups", "scaling", "shared"))]
+)
 def test_each_part_of_glm4_moes_routing_counts(
     part: str | None, load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]
 ) -> None:
