@@ -784,7 +784,7 @@ class ServerConfig:
             "help": "read tool calls in this shape only (vLLM's names): hermes (JSON in <tool_call> tags), qwen3_coder "
             "or qwen3_xml (Qwen3-Coder's XML in them), llama3_json or llama4_json (bare JSON), pythonic or "
             "llama4_pythonic (a Python list of calls, Llama 3.2's and 4's), mistral ([TOOL_CALLS]), phi4_mini_json "
-            "(functools[...]), granite (a JSON list after <|tool_call|>), deepseek_v3 or deepseek_v31, glm45 "
+            "(functools[...]), granite (a JSON list after <|tool_call|>), deepseek_v3 or deepseek_v31, glm45 or glm47 "
             "(GLM-4.5's <tool_call>NAME blocks of <arg_key>/<arg_value> pairs), openai "
             "(gpt-oss's harmony calls to functions.NAME; its messages then read as --reasoning-parser openai_gptoss "
             "reads them); without it, all of them"

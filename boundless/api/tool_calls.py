@@ -101,6 +101,7 @@ TOOL_CALL_PARSERS: dict[str, CallFormats] = {
     "deepseek_v31": frozenset({DEEPSEEK}),
     "openai": frozenset({HARMONY}),  # (gpt-oss's harmony calls: its reasoning parser reads them out of its messages)
     "glm45": frozenset({TAGGED_GLM}),  # (GLM-4.5's and GLM-4.6's)
+    "glm47": frozenset({TAGGED_GLM}),  # (GLM-4.7's: the same calls, no line between the name and its first key)
 }
 MISTRAL_TAG = "[TOOL_CALLS]"  # (Mistral's special token before its calls)
 FUNCTOOLS_TAG = "functools["  # (Phi-4-mini's, its list's bracket with it)

@@ -595,10 +595,13 @@ def test_an_unknown_parser_name_is_a_one_line_error() -> None:
 
 
 def test_glm45_names_both_parsers_as_vllm_does() -> None:
-    """``--tool-call-parser glm45`` and ``--reasoning-parser glm45`` (vLLM's names for GLM-4.5's and GLM-4.6's);
-    ``glm4_moe``, the model's type, names no parser in vLLM, nor here."""
+    """``--tool-call-parser glm45`` and ``--reasoning-parser glm45`` (vLLM's names for GLM-4.5's and GLM-4.6's), and
+    ``glm47`` for GLM-4.7's calls (the same reading); ``glm4_moe``, the model's type, names no parser in vLLM, nor
+    here."""
     ServerConfig(tool_call_parser="glm45", reasoning_parser="glm45")
+    ServerConfig(tool_call_parser="glm47", reasoning_parser="glm45")
     assert "glm45" in REASONING_PARSERS
+    assert TOOL_CALL_PARSERS["glm47"] == TOOL_CALL_PARSERS["glm45"]
     with pytest.raises(ConfigError, match=r"--tool-call-parser: must be one of .*glm45"):
         ServerConfig(tool_call_parser="glm4_moe")
 
