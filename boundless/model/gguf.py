@@ -143,15 +143,8 @@ _GPT_OSS_SWIGLU_LIMIT = CONFIG_DEFAULTS["gpt_oss"]["swiglu_limit"]
 # :data:`_EXPERT_TENSORS`); its own tensors beside them are :data:`_GLM4_MOE_SPARSE_TENSORS`. Neither q nor k is
 # permuted: llama.cpp runs its RoPE on rotating halves (NEOX), as transformers does.
 _GLM4_MOE_LAYER_TENSORS = {
-    "attn_norm": "input_layernorm",
+    **{name: hf for name, hf in _LAYER_TENSORS.items() if name != "ffn_norm"},
     "post_attention_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
 }
 # A sparse GLM-4.5 layer's shared experts (``expert_shared_count`` experts' worth of a dense MLP) and its router's
 # correction of each expert's score for choosing it (transformers' ``e_score_correction_bias``, which llama.cpp's

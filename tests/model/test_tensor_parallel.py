@@ -198,21 +198,22 @@ CASES = {
     # (Mixtures: the router whole, each expert's features split, the experts' partial sums added as the MLP's.)
     "qwen3-moe-experts": (TinySpec(kind="qwen3_moe", num_heads=4, num_kv_heads=2, head_dim=32, seed=3), {}, 1e-4),
     "mixtral-experts": (TinySpec(kind="mixtral", num_heads=4, num_kv_heads=2, seed=4), {}, 1e-4),
-    # (GLM-4.5: the router and its correction whole, the shared expert split as a dense MLP, q/k/v biases.)
+    # (GLM-4.5-Air's kind: the router and its correction whole, two shared experts' width split as a dense MLP, q/k/v
+    # biases, no head norms; 2 groups, 1 chosen.)
     "glm4-moe-shared-experts": (
         TinySpec(
             kind="glm4_moe",
-            num_layers=3,
+            num_layers=2,
             num_heads=4,
             num_kv_heads=2,
             head_dim=32,
             partial_rotary_factor=0.5,
             moe_intermediate_size=32,
-            n_group=4,
-            topk_group=2,
-            routed_scaling_factor=2.5,
-            use_qk_norm=True,
-            seed=21,
+            n_shared_experts=2,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=1.5,
+            seed=22,
         ),
         {},
         1e-4,
