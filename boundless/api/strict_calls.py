@@ -48,8 +48,9 @@ from boundless.engine.structured_output import MAX_WHITESPACE
 # before </function> is the parameters' last blank, so that a call without parameters is the template's two lines).
 _JSON_OPEN, _JSON_ARGUMENTS, _JSON_END = '<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>"
 _XML_OPEN, _XML_AFTER_NAME, _XML_END = "<tool_call>\n<function=", ">\n", "</function>\n</tool_call>"
-# GLM-4.5's call as its template writes it: the name, a line, each argument's two tags a line apart, the end tag.
-_GLM_AFTER_NAME, _GLM_END = "\n", "</tool_call>"
+# GLM's call: the name, then each argument's two tags, then the end tag. Nothing is held after the name: GLM-4.5's
+# template writes a line there and GLM-4.7's none, and glm_xml's content takes either (as xgrammar's own GLM tag).
+_GLM_AFTER_NAME, _GLM_END = "", "</tool_call>"
 # Mistral's v11 call: its tag and name, [ARGS], the arguments' object, and nothing after it.
 _MISTRAL_ARGS = "[ARGS]"
 # No parameters: a call's arguments are the empty object.

@@ -38,6 +38,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import json
+import math
 import random
 import re
 import string
@@ -64,7 +65,11 @@ _XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<para
 # GLM-4.5's tags around an argument's key and its value (its template writes a line between them). A key holds no
 # <arg_key> of its own: a key left without its value is passed over, not run into the next one.
 GLM_KEY = "<arg_key>"
-_GLM_ARGUMENT = re.compile(r"<arg_key>((?:(?!<arg_key>).)*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+# (Neither a key nor a value runs past the next <arg_key>: a value left open is passed over, and each failed match scans
+# to the next key, not to the block's end, which made a long block of open values quadratic.)
+_GLM_ARGUMENT = re.compile(
+    r"<arg_key>((?:(?!<arg_key>).)*?)</arg_key>\s*<arg_value>((?:(?!<arg_key>).)*?)</arg_value>", re.DOTALL
+)
 _INTEGER = re.compile(r"-?\d+")
 _NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?")  # JSON's: no NaN, no Infinity
 # Schema types as models and tools sometimes spell them (Python's names), as vLLM's parser reads them.
@@ -274,7 +279,9 @@ def _typed(value: str, schema: Any) -> Any:
         if "integer" in kinds and _INTEGER.fullmatch(text):
             return int(text)
         if "number" in kinds and _NUMBER.fullmatch(text):
-            return int(text) if _INTEGER.fullmatch(text) else float(text)
+            number = int(text) if _INTEGER.fullmatch(text) else float(text)
+            if math.isfinite(number):  # (1e400 overflows to infinity, which JSON has not: it stays text)
+                return number
     if "boolean" in kinds and text.lower() in ("true", "false"):
         return text.lower() == "true"
     wanted = tuple(t for k, t in (("object", dict), ("array", list)) if k in kinds)
@@ -319,18 +326,22 @@ def _xml_calls(block: str, types: ParameterTypes) -> list[ToolCall]:
     return calls
 
 
-def _glm_call(block: str, types: ParameterTypes, closed: bool = True) -> list[ToolCall]:
+def _glm_call(
+    block: str, types: ParameterTypes | None, closed: bool = True, tools_only: bool = False
+) -> list[ToolCall]:
     """GLM-4.5's call in a ``<tool_call>`` block's text (stripped), as vLLM's ``glm45`` parser reads it: the
     function's name up to the first line's end (or to the first ``<arg_key>``: GLM-4.7 writes no line between), then
     each ``<arg_key>KEY</arg_key>`` and the ``<arg_value>VALUE</arg_value>`` after it, blanks between, a value read by
     its parameter's schema (:func:`_glm_value`); what else the block holds is passed over. ``[]`` when the name is
     none (JSON, or text, in the block), or when the block was never closed (``closed``: the model stopped, or was cut
-    off, before ``</tool_call>``, which alone says the call is whole): that stays the answer's text."""
+    off, before ``</tool_call>``, which alone says the call is whole): that stays the answer's text. ``tools_only``
+    (GLM's calls read beside other formats, without the flag that names them): a name that is not one of the request's
+    tools is text too (``<tool_call>example</tool_call>`` in prose), as a bare JSON call's is."""
     cut = min((at for at in (block.find("\n"), block.find(GLM_KEY)) if at >= 0), default=len(block))
     name = block[:cut].strip()
-    if not closed or not CALL_NAME.fullmatch(name):
+    if not closed or not CALL_NAME.fullmatch(name) or (tools_only and types is not None and name not in types):
         return []
-    schemas = types.get(name, {})
+    schemas = (types or {}).get(name, {})
     args = {key.strip(): _glm_value(value, schemas.get(key.strip())) for key, value in _GLM_ARGUMENT.findall(block)}
     return [ToolCall(name, json.dumps(args, ensure_ascii=False))]
 
@@ -343,7 +354,9 @@ def _glm_value(value: str, schema: Any) -> Any:
     if _kinds(schema) != {None} or _listed(value, schema)[0]:
         return _typed(value, schema)
     with contextlib.suppress(*UNREADABLE_JSON):  # (NaN and Infinity, which JSON lacks, refused too)
-        return json.loads(value.strip(), parse_constant=_refuse)
+        parsed = json.loads(value.strip(), parse_constant=_refuse)
+        if _is_json(parsed):  # (1e400 reads as infinity, past parse_constant)
+            return parsed
     return value
 
 
@@ -384,7 +397,8 @@ def _block_calls(block: str, types: ParameterTypes | None, formats: CallFormats,
         obj = None
     if obj is None:
         xml = _xml_calls(block, types or {}) if TAGGED_XML in formats else []
-        return xml or (_glm_call(block, types or {}, closed) if TAGGED_GLM in formats else [])
+        glm_only = formats == TOOL_CALL_PARSERS["glm45"]  # (under --tool-call-parser glm45 or glm47, any name)
+        return xml or (_glm_call(block, types, closed, not glm_only) if TAGGED_GLM in formats else [])
     spans = scan_calls(block)
     items = obj if isinstance(obj, list) else [obj]
     calls = [_as_call(item, block, spans[n] if n < len(spans) else None) for n, item in enumerate(items)]

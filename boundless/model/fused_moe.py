@@ -247,9 +247,9 @@ def expert_products(
     down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The experts' weighted sum for each row of ``x`` [tokens, hidden]: ``experts`` [tokens, top_k] chosen with
-    ``weights`` (in ``x``'s type), ``gate_up`` [experts, 2 * inter, hidden] and ``down`` [experts, hidden, inter]
-    (each in ``x``'s type, MXFP4 or FP8; with their biases [experts, out] or None), ``activate`` the gated activation of
-    [rows, 2 * inter] rows."""
+    ``weights`` (in ``x``'s type, or fp32: GLM-4.5's), ``gate_up`` [experts, 2 * inter, hidden] and ``down``
+    [experts, hidden, inter] (each in ``x``'s type, MXFP4 or FP8; with their biases [experts, out] or None),
+    ``activate`` the gated activation of [rows, 2 * inter] rows."""
     tokens, hidden = x.shape
     top_k = experts.shape[1]
     num_experts = gate_up.shape[0]

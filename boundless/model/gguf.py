@@ -818,7 +818,7 @@ def _glm4_moe_routing(meta: Mapping[str, Any], prefix: str) -> dict[str, Any]:
     """A glm4moe file's routing, as llama.cpp reads it: sigmoid scores (``expert_gating_func`` sigmoid, or none,
     which its glm4moe runs as sigmoid; softmax is refused: no GLM-4.5 routes so); ``expert_shared_count`` shared
     experts (a key llama.cpp requires); the weights scaled by ``expert_weights_scale`` (not where it is 0 or missing,
-    as llama.cpp skips a scale of 0); and groups, ``expert_group_count`` of them of which ``expert_group_used_count``
+    as llama.cpp now skips a 0); and groups, ``expert_group_count`` of them of which ``expert_group_used_count``
     are chosen, as llama.cpp's MoE reads them for every architecture (converters since late 2025 write the config's
     ``n_group`` and ``topk_group``; an older file holds none: one group, which GLM-4.5's, Air's and 4.6's configs
     say too)."""

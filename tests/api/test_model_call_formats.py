@@ -562,7 +562,7 @@ def test_served_glm_strict_call_is_held_to_its_schema(glm: Served) -> None:
     assert call.function.name == "set_units" and isinstance(arguments["metric"], bool) and arguments["scale"] in "CFK"
     compiled = glm.engine.core.grammars._compiled
     tags = [json.loads(spec.definition) for spec in compiled if spec.kind == "structural_tag" and spec.definition]
-    held = [t for tag in tags for t in tag["format"]["tags"] if t["begin"] == "<tool_call>set_units\n"]
+    held = [t for tag in tags for t in tag["format"]["tags"] if t["begin"] == "<tool_call>set_units"]
     assert held and held[0]["content"]["style"] == "glm_xml"
 
 

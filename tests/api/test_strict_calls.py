@@ -123,8 +123,9 @@ def test_xml_calls_are_held_to_the_schema_as_qwen3_coder_writes_them(tiny_gramma
 
 def test_glm_calls_are_held_to_the_schema_as_glm_45_writes_them(tiny_grammars: Grammars) -> None:
     """GLM-4.5's calls (``--tool-call-parser glm45``, or a template that writes ``<arg_key>``): the trigger
-    ``<tool_call>``, then the name and a line, each argument's key and value (xgrammar's ``glm_xml``: a string as
-    text, the others as JSON), ``</tool_call>``; what the grammar lets through reads back as the schema's values."""
+    ``<tool_call>``, then the name and a line (GLM-4.7's: none), each argument's key and value (xgrammar's ``glm_xml``:
+    a string as text, the others as JSON), ``</tool_call>``; what the grammar lets through reads back as the schema's
+    values."""
     tag = strict_calls_tag([strict(UNITS), WEATHER], TAGGED_GLM, parallel=True)
     assert tag is not None
 
@@ -146,6 +147,11 @@ def test_glm_calls_are_held_to_the_schema_as_glm_45_writes_them(tiny_grammars: G
     bare = strict_calls_tag([strict({"type": "function", "function": {"name": "now"}})], TAGGED_GLM, parallel=False)
     assert bare is not None and accepts(tiny_grammars, bare, "<tool_call>now\n</tool_call>")
     assert not accepts(tiny_grammars, bare, "<tool_call>now\n</tool_call>\n<tool_call>now\n</tool_call>")
+    # GLM-4.7's layout (--tool-call-parser glm47): no line after the name, nor between the tags; held as well.
+    tight = "<tool_call>set_units<arg_key>metric</arg_key><arg_value>true</arg_value>"
+    tight += "<arg_key>scale</arg_key><arg_value>F</arg_value></tool_call>"
+    assert accepts(tiny_grammars, tag, tight) and accepts(tiny_grammars, bare, "<tool_call>now</tool_call>")
+    assert not accepts(tiny_grammars, tag, tight.replace("<arg_value>F<", "<arg_value>X<"))
 
 
 MISTRAL_V11_TEMPLATE = "{{ '[TOOL_CALLS]' + call.function.name + '[ARGS]' + call.function.arguments | tojson }}"
