@@ -50,7 +50,7 @@ _JSON_OPEN, _JSON_ARGUMENTS, _JSON_END = '<tool_call>\n{"name": "', '", "argumen
 _XML_OPEN, _XML_AFTER_NAME, _XML_END = "<tool_call>\n<function=", ">\n", "</function>\n</tool_call>"
 # GLM's call: the name, then each argument's two tags, then the end tag. Nothing is held after the name: GLM-4.5's
 # template writes a line there and GLM-4.7's none, and glm_xml's content takes either (as xgrammar's own GLM tag).
-_GLM_AFTER_NAME, _GLM_END = "", "</tool_call>"
+_GLM_END = "</tool_call>"
 # Mistral's v11 call: its tag and name, [ARGS], the arguments' object, and nothing after it.
 _MISTRAL_ARGS = "[ARGS]"
 # No parameters: a call's arguments are the empty object.
@@ -133,7 +133,7 @@ def _call_tags(tools: Sequence[dict[str, Any]], call_format: str, every_tool: bo
             begin, end = MISTRAL_TAG + name + _MISTRAL_ARGS, ""
         elif call_format == TAGGED_GLM:
             content = content | {"json_schema": schema, "style": "glm_xml"} if strict else {"type": "any_text"}
-            begin, end = TOOL_CALL_TAG + name + _GLM_AFTER_NAME, _GLM_END
+            begin, end = TOOL_CALL_TAG + name, _GLM_END
         else:
             content = content | {"json_schema": schema, "style": "qwen_xml"} if strict else {"type": "any_text"}
             begin, end = _XML_OPEN + name + _XML_AFTER_NAME, _XML_END

@@ -436,16 +436,15 @@ class ModelArch:
             "local_rope_theta", "query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap",
             "attention_multiplier", "swiglu_limit", "swiglu_alpha",
         )  # fmt: skip
-        ones = ("partial_rotary_factor", "embedding_multiplier", "residual_multiplier", "logits_scaling")
+        ones = (
+            "partial_rotary_factor", "embedding_multiplier", "residual_multiplier", "logits_scaling",
+            "routed_scaling_factor", "expert_groups", "expert_groups_chosen",
+        )  # fmt: skip
         for name in ("o_bias", "attention_sinks"):
             if not fields[name]:
                 del fields[name]
-        defaults = {"num_shared_experts": 0, "expert_score": "softmax", "expert_groups": 1, "expert_groups_chosen": 1,
-                    "routed_scaling_factor": 1.0}  # fmt: skip
-        for name, default in defaults.items():
-            if fields[name] == default:
-                del fields[name]
-        for name, default in (("hidden_act", "silu"), *((n, 1.0) for n in ones), *((n, None) for n in later)):
+        named = (("hidden_act", "silu"), ("expert_score", "softmax"), ("num_shared_experts", 0))
+        for name, default in (*named, *((n, 1.0) for n in ones), *((n, None) for n in later)):
             if fields[name] == default:
                 del fields[name]
         if not self.num_experts:

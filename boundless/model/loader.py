@@ -20,6 +20,7 @@ from boundless.model.arch import FLOAT16_UNSTABLE, NOT_TEXT_PREFIXES, ModelArch,
 from boundless.model.classifier import SCORE_WEIGHT, ScoreWeight, classifier_spec, head_from_tokens
 from boundless.model.fp8_linear import check_quantization
 from boundless.model.llama import LlamaModel
+from boundless.model.moe import blocks_tile
 from boundless.model.mxfp4 import Mxfp4Checkpoint
 from boundless.model.pooling import EmbeddingPooling, read_pooling
 from boundless.model.quantized_checkpoint import QuantizedCheckpoint
@@ -153,9 +154,8 @@ def quantized_experts_form(quantized: object, arch: ModelArch) -> str | None:
         return None
     if not arch.num_experts:
         return None
-    rows, cols = quantized.block
-    inter, hidden = arch.moe_intermediate_size, arch.hidden_size
-    tiled = not (inter % rows or hidden % rows or inter % cols or hidden % cols)
+    cols = quantized.block[1]
+    tiled = blocks_tile(quantized.block, arch.moe_intermediate_size, arch.hidden_size)
     # (The kernel's tiles of inputs, powers of two of 16 or more, must fall within one block's: 128, not 48.)
     return "fp8" if tiled and cols >= 16 and not cols & (cols - 1) else None
 

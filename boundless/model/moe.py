@@ -49,6 +49,13 @@ _MXFP4_PARAMETERS = {
 }
 
 
+def blocks_tile(block: tuple[int, int], inter: int, hidden: int) -> bool:
+    """Whether blocks of ``block`` (rows, inputs) tile every expert matrix, [2 * inter, hidden] and [hidden, inter]
+    (gate's and up's rows apart: a block of rows never straddles them)."""
+    rows, cols = block
+    return not (inter % rows or hidden % rows or inter % cols or hidden % cols)
+
+
 class SparseMoE(nn.Module):
     """The router and the stacked experts of one sparse layer."""
 
@@ -75,7 +82,6 @@ class SparseMoE(nn.Module):
         # GLM-4.5's (DeepSeek-V3's routing): sigmoid scores, each expert's correction of its score for choosing it
         # (held in fp32 whatever the model's type, as transformers holds it), groups of experts, a scale of the
         # weights; and its shared experts, a dense MLP every token takes beside the routed ones.
-        self.expert_score = arch.expert_score
         self.groups, self.groups_chosen = arch.expert_groups, arch.expert_groups_chosen
         self.routed_scaling_factor = arch.routed_scaling_factor
         self.score_bias = nn.Parameter(torch.zeros(experts)) if arch.expert_score == "sigmoid" else None
@@ -188,9 +194,9 @@ class SparseMoE(nn.Module):
         before the weights are allocated and loaded."""
         if self.held is not None:
             raise ValueError(f"the experts are held in {self.held} already")
+        if not blocks_tile(block, self.inter, self.router.shape[1]):
+            raise ValueError(f"FP8 blocks of {block[0]} x {block[1]} do not tile the experts' matrices")
         rows, cols = block
-        if self.inter % rows or self.router.shape[1] % rows or self.inter % cols or self.router.shape[1] % cols:
-            raise ValueError(f"FP8 blocks of {rows} x {cols} do not tile the experts' matrices")
         for name in ("gate_up", "down"):
             weight = getattr(self, name)
             experts, out, inputs = weight.shape
@@ -274,7 +280,7 @@ class SparseMoE(nn.Module):
         gate_up_bias, down_bias = self.gate_up_bias, self.down_bias
         packed_experts = []
         for e in range(self.router.shape[0]):
-            gate_up, down = self.expert(e, self.router.dtype)
+            gate_up, down = self.expert(e, torch.float32)  # (the native kernels take fp32)
             packed_experts.append((
                 packed(gate_up, None if gate_up_bias is None else gate_up_bias[e], self.glu_epilogue),
                 packed(down, None if down_bias is None else down_bias[e]),
