@@ -115,7 +115,8 @@ def fp8_linear_jobs() -> list[CompileJob]:
 def fused_moe_jobs() -> list[CompileJob]:
     """A mixture's experts on the GPU path (``model/fused_moe.py``): a decode's tiles (few rows an expert) and a
     prefill's, with the biases and the routing weight, in bf16 and fp32, gpt-oss's experts read as MXFP4, and
-    ``--quantization fp8``'s experts and an FP8 checkpoint's read as e4m3 (sm_89 or later)."""
+    ``--quantization fp8``'s experts and an FP8 checkpoint's read as e4m3 (sm_89 or later), and an FP8 checkpoint's
+    dense matrices through the same kernel (``block_fp8_linear``)."""
     jobs = []
     for name, weight, scales, dtype, (block_m, block_n, block_k), bias, routed, scale_block in (
         ("bf16/decode", "bf16", "bf16", "bf16", (16, 32, 64), False, False, (1, 0)),
@@ -128,6 +129,9 @@ def fused_moe_jobs() -> list[CompileJob]:
         ("fp8-bf16/prefill-routed", "fp8e4nv", "fp32", "bf16", (64, 64, 64), False, True, (1, 0)),
         # (An FP8 checkpoint's experts, a scale a block of 128 x 128: Qwen3-30B-A3B-FP8's.)
         ("fp8-blocks-bf16/decode", "fp8e4nv", "fp32", "bf16", (16, 32, 64), False, False, (128, 128)),
+        # (An FP8 checkpoint's dense matrices, one expert every row chose: block_fp8_linear's tiles, a bias or none.)
+        ("fp8-blocks-bf16/dense-decode-bias", "fp8e4nv", "fp32", "bf16", (16, 64, 64), True, False, (128, 128)),
+        ("fp8-blocks-bf16/dense-prefill", "fp8e4nv", "fp32", "bf16", (64, 64, 64), False, False, (128, 128)),
     ):
         # (GLM-4.5's routing weights come in fp32, the others' in the model's type.)
         routing = "*fp32" if name == "bf16/decode-routed" else f"*{dtype}"

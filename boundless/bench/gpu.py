@@ -13,6 +13,9 @@ ones; speed does not depend on the values. In bf16 it runs
 5. (``--shapes moe``) a mixture of experts shaped like gpt-oss-20b (its first 8 layers, MXFP4 experts) against
    transformers, the experts on the fused Triton kernels and held in MXFP4, and beside it eagerly and with the
    experts dequantized;
+6. (``--shapes fp8``) the batch-64 decode of the 8B shape as an FP8 checkpoint (Qwen3-FP8's form: e4m3, a scale a
+   block of 128 x 128) held as stored, against its own roofline (half the weights' bytes) and, run with ``8b``,
+   against the bf16 decode;
 
 and writes every figure to ``--json``. Each part records its error and the run goes on, so one
 failure does not cost the rest of the lease.
@@ -21,6 +24,7 @@ failure does not cost the rest of the lease.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import gc
 import json
@@ -446,19 +450,27 @@ def weight_stream_bytes(loaded: LoadedModel) -> int:
     scales = (
         getattr(layer, f"{name}_scale", None) for layer in model.layers for name in ("qkv", "o", "gate_up", "down")
     )
-    total += sum(s.numel() * s.element_size() for s in scales if s is not None)
+    # (``--quantization fp8``'s scales; an FP8 checkpoint's held as stored are parameters, counted above.)
+    total += sum(
+        s.numel() * s.element_size() for s in scales if s is not None and not isinstance(s, torch.nn.Parameter)
+    )
     total += model.norm.weight.numel() * model.norm.weight.element_size()
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head
     return total + head.numel() * head.element_size()
 
 
-def decode_roofline(args: argparse.Namespace, results: dict, root: Path) -> dict:
-    """Batch-64 decode of the 8B shape: seconds per decode step against the weight-streaming roofline."""
+def decode_roofline(args: argparse.Namespace, results: dict, root: Path, fp8_blocks: bool = False) -> dict:
+    """Batch-64 decode of the 8B shape: seconds per decode step against the weight-streaming roofline. ``fp8_blocks``:
+    the shape as an FP8 checkpoint, its projections e4m3 with a scale a block (128 x 128; the tiny shape's 16 x 16),
+    held as stored (the block kernel's products); its bytes, and so its roofline, about half."""
     spec = (TINY_SHAPES if args.tiny else SHAPES)["llama-3.1-8b"]
-    path = write_random_model(root / "llama-8b", spec, weights=False)  # config and tokenizer only
+    if fp8_blocks:
+        spec = dataclasses.replace(spec, fp8_block=(16, 16) if args.tiny else (128, 128))
+    name = "llama-8b-fp8" if fp8_blocks else "llama-8b"
+    path = write_random_model(root / name, spec, weights=False)  # config and tokenizer only
     loaded = load_model(
-        str(path), "bfloat16", args.device, weights=("random-8b", random_weights(spec, args.device)),
-        quantization=args.quantization,
+        str(path), "bfloat16", args.device, weights=(f"random-{name}", random_weights(spec, args.device)),
+        quantization=args.quantization, quantized_dense=True if fp8_blocks else None,
     )  # fmt: skip
     batch, input_len, output_len = (4, 16, 8) if args.tiny else (64, 128, 128)
     prompts = make_prompts(loaded, batch, input_len, seed=0)
@@ -500,6 +512,11 @@ def decode_roofline(args: argparse.Namespace, results: dict, root: Path) -> dict
         "bandwidth_bytes_per_s": bandwidth, "roofline_step_s": roofline_s, "step_over_roofline": step_s / roofline_s,
         "decode_tokens_per_s": batch / step_s,
     }  # fmt: skip
+    if fp8_blocks:
+        layer = loaded.model.layers[0]
+        out["held_fp8_block"] = layer.fp8_block
+        bf16 = (results.get("decode_8b") or {}).get("decode_step_s")
+        out["speedup_over_bf16"] = bf16 / step_s if bf16 else None
     if windowed is not None:
         key = f"{_run_name(max(windows), True)}_decode_step_s"
         out |= {key: windowed, f"{key.removesuffix('_decode_step_s')}_step_over_roofline": windowed / roofline_s}
@@ -552,8 +569,8 @@ def _windows(args: argparse.Namespace) -> list[int]:
 def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     shapes = {s.strip() for s in args.shapes.split(",") if s.strip()}
-    if unknown := shapes - {"host", "1b", "8b", "tiles", "moe"}:
-        raise SystemExit(f"--shapes: unknown {', '.join(sorted(unknown))}; host, 1b, 8b, tiles or moe")
+    if unknown := shapes - {"host", "1b", "8b", "tiles", "moe", "fp8"}:
+        raise SystemExit(f"--shapes: unknown {', '.join(sorted(unknown))}; host, 1b, 8b, tiles, moe or fp8")
     _windows(args)  # (a bad --windows stops the run before anything is built)
     if device.type == "cuda" and not torch.cuda.is_available():  # (else each stage failed, and the run exited 0)
         raise SystemExit(
@@ -577,6 +594,11 @@ def run(args: argparse.Namespace) -> dict:
             torch.cuda.empty_cache()
     if "8b" in shapes:
         _stage(results, "decode_8b", lambda: decode_roofline(args, results, root))
+    if "fp8" in shapes:
+        gc.collect()  # (the bf16 8B model is garbage now: its 16 GB go before the FP8 one's 8 GB are taken)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        _stage(results, "decode_8b_fp8", lambda: decode_roofline(args, results, root, fp8_blocks=True))
     if "moe" in shapes:
         _stage(results, "moe", lambda: bench_moe_shape(args, results, root))
         gc.collect()
@@ -662,6 +684,14 @@ def _summary(results: dict) -> None:
     if "moe_experts_in_mxfp4" in results:
         print(f"the mixture's experts held in MXFP4: {results['moe_experts_in_mxfp4']}")
     dec = results.get("decode_8b") or {}
+    fp8 = results.get("decode_8b_fp8") or {}
+    if "decode_step_s" in fp8:
+        versus = f", {fp8['speedup_over_bf16']:.2f}x the bf16 decode" if fp8.get("speedup_over_bf16") else ""
+        print(
+            f"8B batch-64 decode, FP8 checkpoint held in blocks of {fp8['held_fp8_block']}: "
+            f"{fp8['decode_step_s'] * 1e3:.2f} ms per step, roofline {fp8['roofline_step_s'] * 1e3:.2f} ms "
+            f"({fp8['step_over_roofline']:.2f}x){versus}"
+        )
     if "decode_step_s" in dec:
         print(
             f"8B batch-64 decode: {dec['decode_step_s'] * 1e3:.2f} ms per step, roofline "
@@ -698,7 +728,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="1b,8b",
         help="which shapes: 1b (against transformers), 8b (decode), host (the engine's host work on a tiny model: "
         "any device), tiles (the attention kernels' tile shapes swept on the 1B shape's attention), moe (a "
-        "gpt-oss-shaped mixture with MXFP4 experts against transformers)",
+        "gpt-oss-shaped mixture with MXFP4 experts against transformers), fp8 (the 8B decode as an FP8 checkpoint "
+        "held in blocks; with 8b, against the bf16 one)",
     )
     parser.add_argument(
         "--cases", type=positive_int, default=len(OFFLINE_CASES), help="how many of the 1B cases to run"

@@ -18,6 +18,9 @@ quarter of bfloat16's bytes and dequantizes each tile in registers (vLLM reads t
 under ``--quantization fp8`` as e4m3 with a scale per output row (``Fp8Stack``): half the bytes, each tile widened to
 the input's type and its product scaled.
 
+A dense matrix is a mixture of one expert that every row chose (:func:`block_fp8_linear`): an FP8 checkpoint's
+attention and MLP matrices, held in e4m3 with a scale a block (Qwen3's 128 x 128), run through the same kernel.
+
 The kernels run on CUDA and, for the tests, in Triton's interpreter on the CPU (``TRITON_INTERPRET=1``); the CPU's
 own path stays the per-expert one (its native kernels).
 """
@@ -28,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from boundless.model.fp8_linear import Fp8Stack
 from boundless.model.mxfp4 import Mxfp4Stack
@@ -87,6 +91,16 @@ def group_by_expert(experts: torch.Tensor, num_experts: int, block_m: int) -> Ex
     total = ends[-1:]
     block_experts = torch.where(block_starts < total, block_experts, -1).to(torch.int32)
     return ExpertGroups(sorted_slots, block_experts, total.to(torch.int32), block_m, n)
+
+
+def one_expert(num_rows: int, block_m: int, device: torch.device) -> ExpertGroups:
+    """``num_rows`` rows that all chose expert 0, in order (a dense matrix's product through the experts' kernel):
+    row ``r`` is slot ``r``, the last block padded."""
+    size = -(-num_rows // block_m) * block_m
+    sorted_slots = torch.arange(size, dtype=torch.int32, device=device).clamp_(max=num_rows)
+    block_experts = torch.zeros(size // block_m, dtype=torch.int32, device=device)
+    total = torch.full((1,), size, dtype=torch.int32, device=device)
+    return ExpertGroups(sorted_slots, block_experts, total, block_m, num_rows)
 
 
 if triton is not None:
@@ -264,3 +278,42 @@ def expert_products(
     out = torch.empty(tokens * top_k, hidden, dtype=x.dtype, device=x.device)
     _product(out, activated, down, down_bias, groups, 1, weights.reshape(-1).contiguous(), block_n, block_k)
     return out.view(tokens, top_k, hidden).sum(dim=1)
+
+
+def block_fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    block: tuple[int, int],
+    bias: torch.Tensor | None = None,
+    kernel: bool = True,
+) -> torch.Tensor:
+    """``x @ W.T + bias`` for ``W`` an FP8 checkpoint's matrix as it stores it: ``weight`` [out, in] e4m3 and
+    ``scales`` [out / block[0], in / block[1]] fp32, ``W = weight * scale`` of its block. ``kernel``: one launch of
+    the experts' kernel over one expert (each tile widened to ``x``'s type exactly, its product scaled as it sums,
+    the bias added before the one rounding, as ``nn.Linear`` rounds); else (the PyTorch path on a device without
+    Triton) ``W`` dequantized into ``x``'s type for the product."""
+    shape = x.shape
+    rows = x.reshape(-1, shape[-1])
+    stack = Fp8Stack(weight.unsqueeze(0), scales.unsqueeze(0), block)
+    if not kernel or triton is None:
+        return F.linear(rows, stack.dequantized(0, x.dtype), bias).view(*shape[:-1], weight.shape[0])
+    out = torch.empty(rows.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    if rows.shape[0] == 0:
+        return out.view(*shape[:-1], weight.shape[0])
+    # (A decode's few rows in blocks of 16, most of a block of 64 would be padding; untuned, as block_sizes.)
+    block_m, block_n, block_k = (16, 64, 64) if rows.shape[0] <= 32 else (64, 64, 64)
+    block_k = block_k // 2 if x.dtype == torch.float32 else block_k
+    groups = one_expert(rows.shape[0], block_m, x.device)
+    _product(
+        out,
+        rows if rows.stride(-1) == 1 else rows.contiguous(),
+        stack,
+        None if bias is None else bias.unsqueeze(0),
+        groups,
+        1,
+        None,
+        block_n,
+        block_k,
+    )
+    return out.view(*shape[:-1], weight.shape[0])

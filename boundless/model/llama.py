@@ -29,7 +29,8 @@ from boundless.config import ConfigError
 from boundless.kv.tensors import PagedKVCache
 from boundless.model import cpu_kernels
 from boundless.model.arch import ModelArch
-from boundless.model.fp8_linear import fp8_linear, quantizable, quantize_rows
+from boundless.model.fp8_linear import FP8, Fp8Stack, fp8_linear, quantizable, quantize_rows
+from boundless.model.fused_moe import block_fp8_linear
 from boundless.model.lora import DOWN, GATE_UP, O_PROJ, QKV, LoRABatch
 from boundless.model.moe import SparseMoE
 from boundless.model.rope import RotaryEmbedding, apply_rotary_, interleaved_to_halves
@@ -45,14 +46,25 @@ def linear(
     bias: torch.Tensor | None = None,
     scale: torch.Tensor | None = None,
     widened: cpu_kernels.PackedWeight | None = None,
+    block: tuple[int, int] | None = None,
+    kernel: bool = False,
 ) -> torch.Tensor:
     """``x @ weight.T + bias``; with ``scale``, ``weight`` is e4m3 and this its scale per row (``--quantization
-    fp8``: :func:`~boundless.model.fp8_linear.fp8_linear`; ``widened``: on the CPU, the e4m3 weight in fp32, packed).
+    fp8``: :func:`~boundless.model.fp8_linear.fp8_linear`; ``widened``: on the CPU, the e4m3 weight in fp32, packed),
+    or with ``block`` its scale a block (an FP8 checkpoint's, held as stored:
+    :func:`~boundless.model.fused_moe.block_fp8_linear`, in the Triton kernel on the GPU path, ``kernel``;
+    ``widened`` then the weight dequantized in fp32, packed).
 
     On the CPU, for the few tokens of a decode step, the BLAS is faster (20% on 2 AVX2 cores) with
     the weight matrix as the left operand, ``(weight @ x.T).T``; for large batches the transpose
     back costs more than it saves.
     """
+    if scale is not None and block is not None:
+        if widened is not None and x.device.type == "cpu" and not kernel:
+            out = widened.matmul(x.reshape(-1, x.shape[-1]).float())
+            out = out if bias is None else out.add_(bias)
+            return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+        return block_fp8_linear(x, weight, scale, block, bias, kernel)
     if scale is not None:
         return fp8_linear(x, weight, scale, bias, None if widened is None else widened.matmul)
     if x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= _CPU_SMALL_BATCH:
@@ -260,11 +272,15 @@ class DecoderLayer(nn.Module):
         self.attn_out_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, fp32) if arch.sandwich_norms else None
         self.mlp_out_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, fp32) if arch.sandwich_norms else None
         self.packed: _PackedLayer | None = None  # set by LlamaModel.prepare on the native path
-        # --quantization fp8: each dense matrix's scale per output row (its weight then in e4m3); None: unquantized.
+        # --quantization fp8: each dense matrix's scale per output row [1, out] (its weight then in e4m3); None:
+        # unquantized. An FP8 checkpoint's matrices held as stored (hold_fp8): the same, or with ``fp8_block`` a scale
+        # a block (rows, inputs) [out / rows, in / inputs].
         self.qkv_scale: torch.Tensor | None = None
         self.o_scale: torch.Tensor | None = None
         self.gate_up_scale: torch.Tensor | None = None
         self.down_scale: torch.Tensor | None = None
+        self.fp8_block: tuple[int, int] | None = None
+        self.holds_fp8 = False  # (hold_fp8)
         # On the CPU, in any dtype (LlamaModel.prepare): each e4m3 matrix widened to fp32 and packed for the native
         # kernel, whose products give a row the same sums whatever rows share its step (fp8_linear's ``widened``).
         self.widened: dict[str, cpu_kernels.PackedWeight] = {}
@@ -274,15 +290,36 @@ class DecoderLayer(nn.Module):
         # None on one device.
         self.reduce: Callable[[torch.Tensor], None] | None = None
 
+    def dense_matrices(self) -> list[str]:
+        """The names of the layer's dense matrices (``{name}_weight``): attention's, and the MLP's unless it has
+        experts."""
+        return ["qkv", "o"] + (["gate_up", "down"] if self.moe is None else [])
+
+    def hold_fp8(self, block: tuple[int, int] | None) -> None:
+        """Hold the layer's dense matrices as an FP8 checkpoint stores them: e4m3 weights, and a scale per output row
+        (``block`` None: per tensor or per channel in the checkpoint, the product :func:`fp8_linear`'s) or one a
+        ``block`` (rows, inputs) (Qwen3's 128 x 128: :func:`block_fp8_linear`'s). Made on the meta device, before
+        the weights are allocated and loaded: half a 16-bit model's bytes."""
+        for name in self.dense_matrices():
+            weight = getattr(self, f"{name}_weight")
+            out, inputs = weight.shape
+            shape = (1, out) if block is None else (out // block[0], inputs // block[1])
+            setattr(self, f"{name}_weight", nn.Parameter(torch.empty_like(weight, dtype=FP8), requires_grad=False))
+            delattr(self, f"{name}_scale")  # (a plain attribute until now: a parameter moves with the module)
+            scale = torch.empty(shape, dtype=torch.float32, device=weight.device)
+            self.register_parameter(f"{name}_scale", nn.Parameter(scale, requires_grad=False))
+        self.fp8_block, self.holds_fp8 = block, True
+
     def quantize_fp8(self) -> None:
         """The layer's dense matrices (attention's, and the MLP's unless it has experts) to e4m3 with a scale per
-        output row; a matrix ``_scaled_mm`` cannot take (sides not multiples of 16) stays as it is. A mixture's experts
-        too (``SparseMoE.quantize_fp8``: read by the fused experts' kernel, which takes any sides)."""
+        output row; a matrix ``_scaled_mm`` cannot take (sides not multiples of 16) stays as it is, and one held as
+        an FP8 checkpoint stores it (:meth:`hold_fp8`) too. A mixture's experts too (``SparseMoE.quantize_fp8``: read
+        by the fused experts' kernel, which takes any sides)."""
         if self.moe is not None:
             self.moe.quantize_fp8()
         for name in ("qkv", "o", "gate_up", "down"):
             weight = getattr(self, f"{name}_weight")
-            if weight is None or not quantizable(weight):
+            if weight is None or not quantizable(weight) or getattr(self, f"{name}_scale") is not None:
                 continue
             q, scale = quantize_rows(weight.data)
             setattr(self, f"{name}_weight", nn.Parameter(q, requires_grad=False))
@@ -298,7 +335,13 @@ class DecoderLayer(nn.Module):
         for name in ("qkv", "o", "gate_up", "down"):
             weight, scale = getattr(self, f"{name}_weight"), getattr(self, f"{name}_scale")
             if scale is not None and name not in self.widened:
-                self.widened[name] = cpu_kernels.PackedWeight(weight.detach().float())
+                if self.fp8_block is not None:  # (a scale a block: the weight dequantized, its product not scaled)
+                    widened = Fp8Stack(weight.detach()[None], scale.detach()[None], self.fp8_block).dequantized(
+                        0, torch.float32
+                    )
+                else:
+                    widened = weight.detach().float()
+                self.widened[name] = cpu_kernels.PackedWeight(widened)
         moe = self.moe
         if moe is None or not fp32:
             self.widened_experts = []
@@ -306,12 +349,16 @@ class DecoderLayer(nn.Module):
         if not self.widened_experts or moe.packed_router is None:
             self.widened_experts = moe.pack()
 
-    def product(self, name: str, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def product(
+        self, name: str, x: torch.Tensor, bias: torch.Tensor | None = None, kernel: bool = False
+    ) -> torch.Tensor:
         """``x`` times the matrix ``name`` (qkv, o, gate_up or down), with its bias (q/k/v's, or ``bias`` given): the
-        PyTorch path's products."""
+        PyTorch path's products (``kernel``: the GPU path's, whose matrices held in FP8 blocks take the Triton
+        kernel)."""
         bias = self.qkv_bias if name == "qkv" else bias
         weight = getattr(self, f"{name}_weight")
-        return linear(x, weight, bias, getattr(self, f"{name}_scale"), self.widened.get(name))
+        scale = getattr(self, f"{name}_scale")
+        return linear(x, weight, bias, scale, self.widened.get(name), self.fp8_block, kernel)
 
     def activate(self, gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The MLP's gated activation, ``act(gate) * up`` (SiLU, or Gemma's tanh-approximated GELU), into ``out`` if
@@ -387,12 +434,14 @@ class DecoderLayer(nn.Module):
             self.reduce(partial)
         return partial if bias is None else partial.add_(bias)
 
-    def _o_projection(self, attn: torch.Tensor, lora: LoRABatch | None, index: int) -> torch.Tensor:
+    def _o_projection(
+        self, attn: torch.Tensor, lora: LoRABatch | None, index: int, kernel: bool = False
+    ) -> torch.Tensor:
         """o's product of ``attn`` with its adapters' share, summed over the tensor-parallel ranks, and its bias
         (gpt-oss's): in the product on one device (rounded once, as ``nn.Linear`` rounds it), once after the sum when
         split (the PyTorch and the GPU paths)."""
         split = self.reduce is not None
-        out = self.product("o", attn, None if split else self.o_bias)
+        out = self.product("o", attn, None if split else self.o_bias, kernel)
         if lora is not None:
             lora.add_(index, O_PROJ, attn, out)
         return self._summed(out, self.o_bias if split else None)
@@ -435,7 +484,7 @@ class DecoderLayer(nn.Module):
         t = hidden.shape[0]
         norm_in, norm_post = self.input_norm, self.post_attention_norm
         x = norm_in.fused(hidden, delta)
-        qkv = self.product("qkv", x)
+        qkv = self.product("qkv", x, kernel=True)
         if lora is not None:
             lora.add_(index, QKV, x, qkv)
         q_size, kv_size, _ = self.qkv_sizes
@@ -445,7 +494,7 @@ class DecoderLayer(nn.Module):
             ops.rotary_(self._rotated(heads), positions, rope.cos, rope.sin)
         q, k, v = (part.view(t, -1, self.head_dim) for part in qkv.split(self.qkv_sizes, dim=-1))
         attn = self._attend(attention, q, k, v, cache, attn_meta).reshape(t, -1)
-        out = self._o_projection(attn, lora, index)
+        out = self._o_projection(attn, lora, index, kernel=True)
         if self.attn_out_norm is not None:
             out = self.attn_out_norm.fused(out)
         # hidden += o_proj(attn), and its norm, in one kernel.
@@ -453,11 +502,11 @@ class DecoderLayer(nn.Module):
         if self.moe is not None:
             return hidden, self._summed(self.moe.forward_fused(x))
         assert self.gate_up_weight is not None and self.down_weight is not None
-        gate_up = self.product("gate_up", x)
+        gate_up = self.product("gate_up", x, kernel=True)
         if lora is not None:
             lora.add_(index, GATE_UP, x, gate_up)
         act = self.activate(*gate_up.chunk(2, dim=-1)) if self.gelu else ops.silu_mul(gate_up)
-        out = self.product("down", act)
+        out = self.product("down", act, kernel=True)
         out = self._summed(out if lora is None else lora.add_(index, DOWN, act, out))
         if self.mlp_out_norm is not None:
             out = self.mlp_out_norm.fused(out)
@@ -864,6 +913,13 @@ class LlamaModel(nn.Module):
             with torch.no_grad():
                 dest = target if rows is None else target.narrow(0, rows[0], rows[1])
                 tensor = self._as_loaded(name, tensor)
+                if name.endswith(".weight_scale") and tensor.numel() == 1:  # (one for the tensor: each row's)
+                    tensor = tensor.reshape(1, 1).expand(dest.shape)
+                if dest.dtype == FP8 and tensor.dtype != FP8:
+                    raise ValueError(
+                        f"weight {name!r} comes unquantized ({tensor.dtype}) where this checkpoint's FP8 weights are "
+                        "held as stored: load them dequantized (quantized_dense=False, quantized_experts=False)"
+                    )
                 if dest.shape != tensor.shape:
                     raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
                 dest.copy_(tensor)
@@ -888,19 +944,47 @@ class LlamaModel(nn.Module):
         if (experts := self._in_experts(name)) is not None:
             _, moe, below = experts
             return moe.as_loaded(below, tensor)
+        if name.endswith(".weight_scale") and (layer := self._layer_of(name)) and layer.fp8_block is not None:
+            return tensor  # (a scale a block of rows, each block whole heads: quantized_dense_form)
         if arch.rope_interleaved and name.split(".")[-2] in ("q_proj", "k_proj") and not len(tensor) % arch.head_dim:
             return interleaved_to_halves(tensor, arch.head_dim, arch.rotary_dim)
         if not arch.norm_weight_offset or not name.endswith("norm.weight"):
             return tensor
         return tensor.float() + arch.norm_weight_offset
 
+    def _layer_of(self, name: str) -> DecoderLayer | None:
+        """The layer a ``model.layers.N.…`` name is in, else None."""
+        parts = name.split(".", 3)
+        if len(parts) < 4 or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
+            return None
+        index = int(parts[2])
+        return self.layers[index] if index < len(self.layers) else None  # (past them: GLM-4.5's prediction layers)
+
+    def holds_as_stored(self, name: str) -> bool:
+        """Whether the quantized checkpoint weight ``name`` loads as the checkpoint stores it (with its scale beside
+        it): an expert's of experts held in FP8 (:meth:`hold_quantized_experts`), or a dense matrix's of a layer that
+        holds them so (:meth:`hold_fp8`); the rest load dequantized."""
+        if (experts := self._in_experts(name)) is not None:
+            return experts[1].held == "fp8" and ".experts." in name  # (a shared expert's are dense: dequantized)
+        layer = self._layer_of(name)
+        parts = name.split(".")
+        return layer is not None and layer.holds_fp8 and len(parts) == 6 and parts[3] in ("self_attn", "mlp")
+
+    def hold_fp8(self, block: tuple[int, int] | None) -> None:
+        """Every layer's dense matrices held as an FP8 checkpoint stores them (:meth:`DecoderLayer.hold_fp8`), before
+        its tensors load."""
+        for layer in self.layers:
+            layer.hold_fp8(block)
+        self.quantized = True
+
     def _in_experts(self, name: str) -> tuple[str, SparseMoE, str] | None:
         """For a name in a sparse layer's block: (the layer's prefix, its experts, the name below the block), else
         None. The block is the model's own name for it, or ``mlp`` (transformers 5 saves every model's so)."""
         parts = name.split(".")
-        if len(parts) < 5 or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
+        layer = self._layer_of(name)
+        if len(parts) < 5 or layer is None:
             return None
-        moe = self.layers[int(parts[2])].moe
+        moe = layer.moe
         if moe is None or parts[3] not in (moe.block, "mlp"):
             return None
         return ".".join(parts[:3]), moe, ".".join(parts[4:])
@@ -931,6 +1015,8 @@ class LlamaModel(nn.Module):
             _, moe, below = experts
             return moe.target(below) or (None, None)
         module, leaf = parts[-2], parts[-1]
+        if leaf == "weight_scale" and layer.holds_fp8:
+            return self._scale_target(layer, module, offsets, mlp_offsets)
         if leaf == "sinks":
             return layer.sinks, None
         if module == "o_proj" and leaf == "bias":
@@ -949,6 +1035,31 @@ class LlamaModel(nn.Module):
             simple.update(q_norm=layer.q_norm.weight, k_norm=layer.k_norm.weight)
         return simple.get(module), None
 
+    def _scale_target(
+        self,
+        layer: DecoderLayer,
+        module: str,
+        offsets: dict[str, tuple[int, int]],
+        mlp_offsets: dict[str, int],
+    ) -> tuple[torch.Tensor | None, tuple[int, int] | None]:
+        """Where a held FP8 matrix's scale goes (:meth:`DecoderLayer.hold_fp8`): the rows of its fused matrix's scales
+        that its rows take. A scale per row is held [1, out] (``fp8_linear``'s) and taken here as the [out, 1] it is
+        stored as; a scale a block is [out / rows, in / inputs], a row a block of rows."""
+        if module in offsets:
+            matrix, rows = "qkv", offsets[module]
+        elif module in mlp_offsets:
+            matrix, rows = "gate_up", (mlp_offsets[module], self.arch.intermediate_size)
+        else:
+            matrix = {"o_proj": "o", "down_proj": "down", "qkv_proj": "qkv", "gate_up_proj": "gate_up"}.get(module, "")
+            rows = None
+        scale = getattr(layer, f"{matrix}_scale", None)
+        if scale is None:
+            return None, None
+        if layer.fp8_block is None:
+            return scale.view(-1, 1), rows
+        per = layer.fp8_block[0]
+        return scale, None if rows is None else (rows[0] // per, rows[1] // per)
+
     def _expected_names(self) -> set[str]:
         names = {"model.embed_tokens.weight", "model.norm.weight"}
         if self.lm_head is not None:
@@ -957,7 +1068,7 @@ class LlamaModel(nn.Module):
         qkv = ["qkv_proj"] if "qkv_proj" in fused else ["q_proj", "k_proj", "v_proj"]
         for i in range(self.arch.num_layers):
             p = f"model.layers.{i}."
-            names.update(p + f"self_attn.{m}.weight" for m in (*qkv, "o_proj"))
+            dense = [p + f"self_attn.{m}.weight" for m in (*qkv, "o_proj")]
             if self.arch.qkv_bias:
                 names.update(p + f"self_attn.{m}.bias" for m in ("q_proj", "k_proj", "v_proj"))
             if self.arch.o_bias:
@@ -971,7 +1082,10 @@ class LlamaModel(nn.Module):
                 mlp = (
                     ("gate_up_proj", "down_proj") if "gate_up_proj" in fused else ("gate_proj", "up_proj", "down_proj")
                 )
-                names.update(p + f"mlp.{m}.weight" for m in mlp)
+                dense += [p + f"mlp.{m}.weight" for m in mlp]
+            names.update(dense)
+            if self.layers[i].holds_fp8:  # (an FP8 checkpoint's matrices held as stored: their scales too)
+                names.update(n + "_scale" for n in dense)
             names.update(p + f"{n}.weight" for n in _norm_names(self.arch, self.layers[i]))
             if self.arch.qk_norm:
                 names.update(p + f"self_attn.{m}.weight" for m in ("q_norm", "k_norm"))

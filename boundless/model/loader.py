@@ -22,6 +22,7 @@ from boundless.model.fp8_linear import check_quantization
 from boundless.model.llama import LlamaModel
 from boundless.model.moe import blocks_tile
 from boundless.model.mxfp4 import Mxfp4Checkpoint
+from boundless.model.packed_int import PackedIntCheckpoint
 from boundless.model.pooling import EmbeddingPooling, read_pooling
 from boundless.model.quantized_checkpoint import QuantizedCheckpoint
 from boundless.model.tensor_parallel import (
@@ -158,6 +159,52 @@ def quantized_experts_form(quantized: object, arch: ModelArch) -> str | None:
     tiled = blocks_tile(quantized.block, arch.moe_intermediate_size, arch.hidden_size)
     # (The kernel's tiles of inputs, powers of two of 16 or more, must fall within one block's: 128, not 48.)
     return "fp8" if tiled and cols >= 16 and not cols & (cols - 1) else None
+
+
+def quantized_dense_form(quantized: object, arch: ModelArch) -> str | None:
+    """How an FP8 checkpoint's dense matrices (attention's, a dense MLP's) can be held as it stores them: ``rows``
+    (a scale per tensor or per output channel: each matrix in e4m3 with a scale per row, as ``--quantization fp8``
+    holds it), ``blocks`` (a scale a block that tiles every matrix, the kernel's tiles of inputs within a block's: a
+    power of two of 16 or more; for GLM-4's interleaved RoPE, whose q and k rows are reordered within each head as
+    they load, blocks of whole heads), else None: dequantized as they load."""
+    if not isinstance(quantized, QuantizedCheckpoint) or not quantized.uniform:
+        return None
+    q_size, kv_size = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    dense_mlp = len(arch.sparse_layers) < arch.num_layers
+    outputs = [q_size, kv_size, arch.hidden_size] + ([arch.intermediate_size] if dense_mlp else [])
+    inputs = [arch.hidden_size, q_size] + ([arch.intermediate_size] if dense_mlp else [])
+    if quantized.block is None:  # (``_scaled_mm``'s sides: multiples of 16)
+        return "rows" if all(side % 16 == 0 for side in outputs + inputs) else None
+    rows, cols = quantized.block
+    tiled = all(side % rows == 0 for side in outputs) and all(side % cols == 0 for side in inputs)
+    whole_heads = not arch.rope_interleaved or rows % arch.head_dim == 0
+    return "blocks" if tiled and whole_heads and cols >= 16 and not cols & (cols - 1) else None
+
+
+def holds_quantized_dense(
+    asked: bool | None, form: str | None, device: torch.device, ranks: int, dtype: torch.dtype
+) -> bool:
+    """Whether an FP8 checkpoint's dense matrices are held as it stores them (``load_model``'s ``quantized_dense``;
+    ``form``: :func:`quantized_dense_form`'s): as ``asked``, or by default on a GPU with FP8 (sm_89 or later: Ada,
+    Hopper), on one rank, where their products run: scales a block in the Triton kernel, scales per row in
+    ``_scaled_mm``, which writes bfloat16 only. Asked of a checkpoint whose matrices cannot be, or over ranks, it is
+    refused."""
+    if asked is None:
+        if form is None or device.type != "cuda" or ranks > 1 or torch.cuda.get_device_capability(device) < (8, 9):
+            return False
+        if form == "blocks":
+            return importlib.util.find_spec("triton") is not None
+        return dtype == torch.bfloat16
+    if asked and form is None:
+        raise ConfigError(
+            "a checkpoint's dense matrices are held as stored only from an FP8 checkpoint quantized alike throughout, "
+            "with scales per tensor, per channel, or a block that tiles them"
+        )
+    if asked and ranks > 1:
+        raise ConfigError(
+            "FP8 matrices held as stored are not split over tensor-parallel ranks (they load dequantized)"
+        )
+    return asked
 
 
 def holds_quantized_experts(asked: bool | None, form: str | None, device: torch.device, ranks: int) -> bool:
@@ -385,6 +432,7 @@ def load_model(
     quantization: str | None = None,
     tensor_parallel: TensorParallel = ONE_DEVICE,
     quantized_experts: bool | None = None,
+    quantized_dense: bool | None = None,
 ) -> LoadedModel:
     """Load a bundled model, a Hugging Face directory or a GGUF file onto ``device`` in ``dtype``.
 
@@ -398,7 +446,9 @@ def load_model(
     model's. ``quantized_experts``: hold a quantized checkpoint's experts as it stores them, gpt-oss's MXFP4 blocks
     and scales or an FP8 checkpoint's e4m3 blocks (``SparseMoE.hold_mxfp4``, ``hold_fp8``), rather than dequantized;
     None: where the GPU path's kernels read them (on CUDA, with Triton, one rank; ``load_configured_model`` asks
-    False under ``--attention-backend torch``)."""
+    False under ``--attention-backend torch``). ``quantized_dense``: hold an FP8 checkpoint's dense matrices as it
+    stores them (``LlamaModel.hold_fp8``: :func:`quantized_dense_form`), rather than dequantized; None: on a GPU with
+    FP8, one rank (:func:`holds_quantized_dense`)."""
     path = resolve_model_path(name)
     check_overrides(path, hf_overrides)
     dev = torch.device(device)
@@ -407,14 +457,16 @@ def load_model(
     check_quantization(quantization, dev, torch_dtype)
     parts_read = False  # (the tensors are the rank's parts already)
     held_form: str | None = None  # (how a quantized checkpoint's experts are held as stored: quantized_experts_form)
+    dense_form: str | None = None  # (and its dense matrices: quantized_dense_form)
+    quantized: QuantizedCheckpoint | PackedIntCheckpoint | Mxfp4Checkpoint | None = None  # (a directory's)
     generates = True
     spec, score = None, ScoreWeight()  # a classifier's, and its checkpoint's head (model/classifier.py)
     config_json: dict[str, Any] | None = None  # a directory's config.json, with the overrides (read once here)
     if path.is_file():
         from boundless.model.gguf import read_gguf
 
-        if quantized_experts:
-            raise ConfigError(f"--model {path}: a GGUF file's experts load dequantized, not held quantized")
+        if quantized_experts or quantized_dense:
+            raise ConfigError(f"--model {path}: a GGUF file's weights load dequantized, not held quantized")
         try:
             # (Each weight dequantized and cast as the model takes it: the file's weights are never all in memory.)
             gguf = read_gguf(path, dtype=torch_dtype)
@@ -444,9 +496,10 @@ def load_model(
         held_form = quantized_experts_form(quantized, arch)
         if not holds_quantized_experts(quantized_experts, held_form, dev, tensor_parallel.size):
             held_form = None
-        if isinstance(quantized, QuantizedCheckpoint) and held_form == "fp8":  # (the experts' weights as they are)
-            tensors = quantized.dequantized(tensors, keep=lambda name: ".experts." in name)
-        elif quantized is not None and held_form is None:
+        dense_form = quantized_dense_form(quantized, arch)
+        if not holds_quantized_dense(quantized_dense, dense_form, dev, tensor_parallel.size, torch_dtype):
+            dense_form = None
+        if quantized is not None and held_form is None and dense_form is None:
             tensors = quantized.dequantized(tensors)
         spec = classifier_spec(config_json)
         if spec is not None and spec.from_tokens is None:
@@ -463,6 +516,12 @@ def load_model(
     if held_form is not None:
         assert quantized is not None  # (a form is a quantized checkpoint's)
         model.hold_quantized_experts(held_form, getattr(quantized, "block", None))
+    if dense_form is not None:
+        assert isinstance(quantized, QuantizedCheckpoint)
+        model.hold_fp8(quantized.block if dense_form == "blocks" else None)
+    if isinstance(quantized, QuantizedCheckpoint) and (held_form == "fp8" or dense_form is not None):
+        # (The weights held come as stored, the rest dequantized; on one rank: shard_weights passed them as they are.)
+        tensors = quantized.dequantized(tensors, keep=model.holds_as_stored)
     if dev.type == "cuda":
         check_fits(model, torch.cuda.mem_get_info(dev)[0], str(dev))
     model = model.to_empty(device=dev)  # allocated once, in the target dtype
@@ -527,7 +586,7 @@ def load_configured_model(config: ModelConfig, device: str | None = None, rank: 
     held = False if config.attention_backend == "torch" else None
     return load_model(
         config.model, config.dtype, rank_device(device or config.device, rank), hf_overrides=config.overrides,
-        quantization=config.quantization, tensor_parallel=tp, quantized_experts=held,
+        quantization=config.quantization, tensor_parallel=tp, quantized_experts=held, quantized_dense=held,
     )  # fmt: skip
 
 

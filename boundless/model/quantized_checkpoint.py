@@ -41,10 +41,14 @@ _DROPPED = (".input_scale", ".k_scale", ".v_scale", ".kv_scale", ".output_scale"
 @dataclass(frozen=True)
 class QuantizedCheckpoint:
     """How a checkpoint's weights are quantized: the method, and the block a scale covers (None: per tensor or per
-    output channel, as each scale's shape says)."""
+    output channel, as each scale's shape says). ``uniform``: every quantized weight has the one scheme (quant_method
+    fp8's; compressed-tensors' with one group), and the modules it leaves unquantized are none of a layer's attention
+    or MLP matrices (``ignore``, ``modules_to_not_convert``: ``lm_head`` usually), so its dense matrices may be held
+    as stored (``loader.quantized_dense_form``)."""
 
     method: str
     block: tuple[int, int] | None = None
+    uniform: bool = False
 
     @staticmethod
     def of(
@@ -67,9 +71,11 @@ class QuantizedCheckpoint:
             return Mxfp4Checkpoint()
         if method == "fp8":
             block = quant.get("weight_block_size")
-            return QuantizedCheckpoint(method, (int(block[0]), int(block[1])) if block else None)
+            uniform = _leaves_layers_quantized(quant.get("modules_to_not_convert"))
+            return QuantizedCheckpoint(method, (int(block[0]), int(block[1])) if block else None, uniform)
         if method == "compressed-tensors":
-            return QuantizedCheckpoint(method, _compressed_tensors_block(quant))
+            uniform = len(quant.get("config_groups") or {}) == 1 and _leaves_layers_quantized(quant.get("ignore"))
+            return QuantizedCheckpoint(method, _compressed_tensors_block(quant), uniform)
         raise ConfigError(
             f"this checkpoint is quantized with {method or 'an unnamed method'!r}, which does not load here: FP8 "
             "checkpoints (quant_method fp8 or compressed-tensors' float weights), GPTQ, AWQ and MXFP4 ones, GGUF files "
@@ -142,6 +148,27 @@ def _sidecar_quantization(directory: Path) -> dict[str, Any] | None:
                 raise ConfigError(f"{path}: quantization settings that are no JSON object")
             return {"quant_method": method, **settings}
     return None
+
+
+# The modules a config may leave unquantized beside a layer's attention and MLP matrices: heads, embeddings, routers.
+_NOT_DENSE = ("lm_head", "embed_tokens", "gate", "router", "shared_expert_gate")
+
+
+def _leaves_layers_quantized(unquantized: object) -> bool:
+    """Whether a config's list of the modules left unquantized names none of a layer's attention or MLP matrices:
+    each entry's last name one of :data:`_NOT_DENSE`, or an expert's (a mixture's are held or not apart); a regex
+    (``re:…``) only ``lm_head``'s."""
+    if unquantized is None:
+        return True
+    if not isinstance(unquantized, list):
+        return False
+    for entry in map(str, unquantized):
+        if entry.startswith("re:"):
+            if entry.removeprefix("re:").strip(".*^$") != "lm_head":
+                return False
+        elif entry.rsplit(".", 1)[-1] not in _NOT_DENSE and "expert" not in entry:
+            return False
+    return True
 
 
 def _compressed_tensors_block(quant: Mapping[str, Any]) -> tuple[int, int] | None:

@@ -87,6 +87,9 @@ class TinySpec:
     # gpt-oss's clamp of its experts' gate and up, and its experts' weights as MXFP4 blocks and scales.
     swiglu_limit: float = 7.0
     mxfp4: bool = False
+    # An FP8 checkpoint's (Qwen3-*-FP8's quant_method fp8): every layer's projections in e4m3, a scale a block of
+    # (rows, inputs).
+    fp8_block: tuple[int, int] | None = None
     # SmolLM3's layer without RoPE every this many.
     no_rope_layer_interval: int = 4
     # GLM-4.5's: its first dense layers, shared experts, groups of experts (and those chosen), the routed weights'
@@ -289,6 +292,10 @@ def _config(spec: TinySpec) -> dict:
             num_nextn_predict_layers=1,
             pad_token_id=0,
         )
+    if spec.fp8_block is not None:
+        cfg["quantization_config"] = {
+            "quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(spec.fp8_block)
+        }  # fmt: skip
     if spec.kind == "mixtral":  # (its intermediate_size is each expert's)
         cfg.update(
             intermediate_size=spec.moe_intermediate_size,
@@ -301,7 +308,36 @@ def _config(spec: TinySpec) -> dict:
 
 def random_weights(spec: TinySpec, device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
     """The random weights of ``spec`` by Hugging Face name, one tensor at a time (drawn on ``device``
-    in fp32, then cast to ``spec.dtype``)."""
+    in fp32, then cast to ``spec.dtype``); with ``spec.fp8_block``, each layer's projections as an FP8 checkpoint
+    stores them (:func:`fp8_blocks`)."""
+    weights = _drawn_weights(spec, device)
+    if spec.fp8_block is None:
+        yield from weights
+        return
+    for name, tensor in weights:
+        if name.startswith("model.layers.") and name.endswith("_proj.weight") and tensor.dim() == 2:
+            q, scale = fp8_blocks(tensor, spec.fp8_block)
+            yield name, q
+            yield name + "_scale_inv", scale
+        else:
+            yield name, tensor
+
+
+def fp8_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` [out, in] as e4m3 with a scale a block of ``block`` (rows, inputs), each block's largest magnitude
+    at e4m3's largest (448): ``weight ~= q * scale`` of its block. Blocks at the edges may be partial."""
+    rows, cols = block
+    out, inputs = weight.shape
+    padded = torch.zeros(-(-out // rows) * rows, -(-inputs // cols) * cols, device=weight.device)
+    padded[:out, :inputs] = weight.float()
+    tiles = padded.view(padded.shape[0] // rows, rows, padded.shape[1] // cols, cols)
+    scale = (tiles.abs().amax(dim=(1, 3)) / torch.finfo(torch.float8_e4m3fn).max).clamp_min(1e-12)
+    q = (tiles / scale[:, None, :, None]).view_as(padded)[:out, :inputs]
+    return q.to(torch.float8_e4m3fn), scale
+
+
+def _drawn_weights(spec: TinySpec, device: str | torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`random_weights` unquantized."""
     g = torch.Generator(device=device).manual_seed(spec.seed)
     head_dim = _head_dim(spec)
     h, i = spec.hidden_size, spec.intermediate_size

@@ -96,6 +96,27 @@ def test_bench_gpu_runs_the_mixture_against_transformers_and_beside_itself(tmp_p
     assert results["moe_experts_in_mxfp4"] == (DEVICE.type == "cuda")
 
 
+def test_bench_gpu_decodes_the_8b_shape_as_an_fp8_checkpoint_held_in_blocks(tmp_path: Path) -> None:
+    """``--shapes 8b,fp8``: the 8B stand-in's decode, then the same shape as an FP8 checkpoint (drawn in memory, its
+    projections e4m3 with a scale a block) held as stored: against its own roofline, whose weights' bytes are about
+    half the bf16 one's, and against the bf16 decode."""
+    parser = argparse.ArgumentParser()
+    gpu.add_arguments(parser)
+    args = parser.parse_args(
+        ["--tiny", "--shapes", "8b,fp8", "--device", TEST_DEVICE, "--workdir", str(tmp_path), "--json",
+         str(tmp_path / "fp8.json"), "--max-model-len", "256", "--kv-cache-gb", "0.05", "--attention-backend",
+         BACKEND, "--repeats", "1", "--windows", ""]
+    )  # fmt: skip
+    results = gpu.run(args)
+    assert not {k: v for k, v in results.items() if isinstance(v, dict) and "error" in v}
+    bf16, fp8 = results["decode_8b"], results["decode_8b_fp8"]
+    assert fp8["held_fp8_block"] == (16, 16) and isinstance(fp8["speedup_over_bf16"], float)
+    # (The tiny shape's embedding and head stay 16-bit: its layers' bytes halve, with a scale a block of 256.)
+    layers = bf16["weight_bytes"] - fp8["weight_bytes"]
+    assert 0.3 * bf16["weight_bytes"] < layers < 0.5 * bf16["weight_bytes"]
+    assert not list((tmp_path / "llama-8b-fp8").glob("*.safetensors"))
+
+
 def test_bench_gpu_host_proxy_splits_each_windows_steps(tmp_path: Path) -> None:
     """``--shapes host``: the engine's host work on a one-layer model, any device (the CPU here), for a single step
     and each window: every pass of the run counted, the phases' times within its wall time."""

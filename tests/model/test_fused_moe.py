@@ -212,3 +212,54 @@ def test_biases_of_any_layout_are_read_as_their_values() -> None:
         torch.testing.assert_close(
             fused_moe.expert_products(x, experts, weights, *stacks, moe.activate, *strided), want
         )
+
+
+def _block_fp8(out: int, inputs: int, block: tuple[int, int], g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random e4m3 matrix [out, inputs] and its scales, one a block (an FP8 checkpoint's, Qwen3's form)."""
+    weight = (torch.randn(out, inputs, generator=g) * 100).to(torch.float8_e4m3fn)
+    scales = torch.rand(out // block[0], inputs // block[1], generator=g) * 0.02 + 0.001
+    return weight.to(DEVICE), scales.to(DEVICE)
+
+
+@pytest.mark.skipif(not _TRITON_RUNS, reason="triton unavailable")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", [0, 1, 5, 70])
+def test_a_dense_fp8_matrix_in_blocks_gives_the_product_of_its_dequantized_weights(
+    dtype: torch.dtype, rows: int
+) -> None:
+    """An FP8 checkpoint's dense matrix held as stored (``block_fp8_linear``: the experts' kernel over one expert that
+    every row chose) gives ``x @ W.T + bias`` of ``W`` dequantized (its scale a block of 16 rows by 32 inputs), the
+    bias added before the one rounding; with any scale of one block changed it does not."""
+    g = torch.Generator().manual_seed(rows)
+    block = (16, 32)
+    weight, scales = _block_fp8(48, 128, block, g)
+    bias = torch.randn(48, generator=g).to(DEVICE, dtype)
+    x = torch.randn(rows, 128, generator=g).to(DEVICE, dtype)
+    dense = fused_moe.Fp8Stack(weight[None], scales[None], block).dequantized(0, torch.float32)
+    want = (x.float() @ dense.t() + bias.float()).to(dtype)
+    got = fused_moe.block_fp8_linear(x, weight, scales, block, bias)
+    assert got.shape == (rows, 48) and got.dtype == dtype
+    if rows == 0:
+        return
+    tolerance = TOLERANCE[dtype] * max(1.0, want.abs().max().item())
+    torch.testing.assert_close(got, want, rtol=0, atol=tolerance)
+    torch.testing.assert_close(fused_moe.block_fp8_linear(x, weight, scales, block, bias, kernel=False), want,
+                               rtol=0, atol=tolerance)  # fmt: skip
+    scales[1, 2] *= 2  # (rows 16-31, inputs 64-95)
+    changed = fused_moe.block_fp8_linear(x, weight, scales, block, bias)
+    assert not torch.allclose(changed[:, 16:32], want[:, 16:32], rtol=0, atol=tolerance)
+    torch.testing.assert_close(changed[:, :16], want[:, :16], rtol=0, atol=tolerance)
+
+
+@pytest.mark.skipif(not _TRITON_RUNS, reason="triton unavailable")
+def test_a_dense_fp8_product_reads_its_input_rows_by_their_stride() -> None:
+    """A view's rows (q/k/v's slice of a wider tensor, a stride past their width) and rows past a multiple of the
+    kernel's row block: each row's product is its own, whatever rows share the call."""
+    g = torch.Generator().manual_seed(3)
+    weight, scales = _block_fp8(32, 64, (16, 16), g)
+    wide = torch.randn(37, 96, generator=g).to(DEVICE)
+    x = wide[:, :64]
+    got = fused_moe.block_fp8_linear(x, weight, scales, (16, 16))
+    for r in (0, 17, 36):
+        alone = fused_moe.block_fp8_linear(x[r : r + 1].clone(), weight, scales, (16, 16))
+        torch.testing.assert_close(got[r : r + 1], alone, rtol=1e-5, atol=1e-5)

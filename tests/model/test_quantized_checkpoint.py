@@ -6,6 +6,7 @@ weights and their scales come in. Other quantizations are refused in words (GPTQ
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -21,6 +22,7 @@ from boundless.config import ConfigError
 from boundless.engine.core import EngineCore
 from boundless.engine.sampling_params import SamplingParams
 from boundless.llm import engine_config
+from boundless.model.fp8_linear import Fp8Stack
 from boundless.model.loader import LoadedModel, load_model
 from boundless.model.random_model import TinySpec, write_random_model
 
@@ -240,3 +242,136 @@ def test_fp8_experts_are_held_only_in_blocks_the_kernel_tiles() -> None:
     assert quantized_experts_form(QuantizedCheckpoint("fp8", (48, 48)), arch) is None
     assert quantized_experts_form(QuantizedCheckpoint("compressed-tensors", (16, 16)), arch) is None
     assert quantized_experts_form(QuantizedCheckpoint("fp8", None), arch) is None
+
+
+# A dense model's FP8 checkpoint held as stored (``quantized_dense``: the default on a GPU with FP8, one rank).
+GLM4 = TinySpec(kind="glm4", num_heads=4, num_kv_heads=2, head_dim=32, seed=16, partial_rotary_factor=0.5)
+
+
+@pytest.mark.parametrize(
+    ("spec", "block"), [(None, [16, 16]), (GLM4, [32, 16])], ids=["llama", "glm4-fused-interleaved"]
+)
+@pytest.mark.parametrize("backend", ["auto", pytest.param("triton", marks=pytest.mark.slow if _ON_CPU else ())])
+def test_an_fp8_checkpoints_dense_matrices_are_held_as_stored(
+    tmp_path: Path, spec: TinySpec | None, block: list[int], backend: str
+) -> None:
+    """Qwen3-FP8's form (a scale a block): every attention and MLP matrix held in e4m3, the bytes as written, its
+    scales a block (q's, k's and v's rows stacked as their rows are; GLM-4's fused gate_up_proj as it comes, its q and
+    k rows reordered within each head as they load, the blocks whole heads); dequantized they are the reference's
+    weights to the bit, and the engine gives its tokens: on the native path each matrix dequantized once as it is
+    packed, in the Triton kernel each tile's product scaled as it sums. Doubled scales give other tokens."""
+    quantized, reference = _write_pair(tmp_path, "block", spec=spec, block_size=block)
+    held = load_model(str(quantized), device=TEST_DEVICE, quantized_dense=True)
+    plain = load_model(str(reference), device=TEST_DEVICE)
+    rows, cols = block
+    for layer, want in zip(held.model.layers, plain.model.layers, strict=True):
+        assert layer.fp8_block == (rows, cols)
+        for name in ("qkv", "o", "gate_up", "down"):
+            weight, scale = getattr(layer, f"{name}_weight"), getattr(layer, f"{name}_scale")
+            assert weight.dtype == torch.float8_e4m3fn and scale.shape == (
+                weight.shape[0] // rows,
+                weight.shape[1] // cols,
+            )
+            dense = Fp8Stack(weight[None], scale[None], (rows, cols)).dequantized(0, torch.float32)
+            assert torch.equal(dense, getattr(want, f"{name}_weight")), name
+    if spec is None:
+        stored = load_file(str(quantized / "model.safetensors"))["model.layers.1.self_attn.k_proj.weight"]
+        assert torch.equal(held.model.layers[1].qkv_weight[64:96].view(torch.uint8).cpu(), stored.view(torch.uint8))
+    if backend == "triton" and not triton_paged.available(held.device):
+        pytest.skip("triton unavailable")
+    tokens = _greedy(held, backend)
+    assert tokens == _greedy(plain, backend)
+    with torch.no_grad():
+        for layer in held.model.layers:
+            layer.gate_up_scale.mul_(2)  # (not down's: GLM-4's norm after the MLP would undo it)
+            layer.widened.clear()  # (the native path's packed copies, made again from the scales)
+    assert _greedy(held, backend) != tokens
+
+
+def test_fp8_matrices_with_a_scale_per_channel_are_held_as_fp8_quantization_holds_them(tmp_path: Path) -> None:
+    """llm-compressor's FP8 (a scale per output channel) held as stored: the e4m3 bytes and scales ``--quantization
+    fp8`` would make of the dequantized weights (each row's largest value at 448), so the same products and tokens;
+    the checkpoint's own, not rounded again."""
+    quantized, reference = _write_pair(tmp_path, "channel")
+    held = load_model(str(quantized), quantized_dense=True)
+    again = load_model(str(reference), quantization="fp8")
+    layer, want = held.model.layers[1], again.model.layers[1]
+    assert layer.fp8_block is None and layer.gate_up_scale.shape == (1, 256)
+    assert torch.equal(layer.gate_up_weight.view(torch.uint8), want.gate_up_weight.view(torch.uint8))
+    torch.testing.assert_close(layer.gate_up_scale, want.gate_up_scale, rtol=1e-6, atol=0)
+    assert _greedy(held) == _greedy(again)
+
+
+def test_a_scale_per_tensor_is_every_row_of_its_matrix(tmp_path: Path) -> None:
+    """vLLM's per-tensor FP8: q's, k's and v's one scale each spread over their rows of the fused matrix; dequantized
+    the matrices are the reference's to the bit. The activations' static scales are dropped (dynamic per token)."""
+    quantized, reference = _write_pair(tmp_path, "tensor")
+    held = load_model(str(quantized), quantized_dense=True)
+    plain = load_model(str(reference))
+    scales = load_file(str(quantized / "model.safetensors"))
+    layer = held.model.layers[0]
+    for name, rows in (("q_proj", slice(0, 64)), ("k_proj", slice(64, 96)), ("v_proj", slice(96, 128))):
+        stored = scales[f"model.layers.0.self_attn.{name}.weight_scale"]
+        assert torch.equal(layer.qkv_scale[0, rows], stored.expand(rows.stop - rows.start))
+    for layer, want in zip(held.model.layers, plain.model.layers, strict=True):
+        for name in ("qkv", "o", "gate_up", "down"):
+            dense = getattr(layer, f"{name}_weight").float() * getattr(layer, f"{name}_scale").t()
+            assert torch.equal(dense, getattr(want, f"{name}_weight")), name
+
+
+def test_fp8_matrices_are_held_only_in_forms_their_products_take(tmp_path: Path) -> None:
+    """Blocks of 48 do not tile a hidden size of 64: refused when asked, dequantized by default (and on the CPU by
+    default the dense matrices load dequantized whatever their form). A checkpoint that leaves a projection
+    unquantized (``ignore``) is not held either; one that says nothing of a projection it left in 32-bit is named."""
+    quantized, _ = _write_pair(tmp_path, "block")
+    with pytest.raises(ConfigError, match="dense matrices are held as stored only"):
+        load_model(str(quantized), quantized_dense=True)
+    assert load_model(str(quantized)).model.layers[0].qkv_weight.dtype == torch.float32
+    tiled, _ = _write_pair(tmp_path / "tiled", "block", block_size=[16, 16])
+    assert load_model(str(tiled)).model.layers[0].qkv_weight.dtype == torch.float32  # (the CPU: not by default)
+    config = json.loads((tiled / "config.json").read_text())
+    config["quantization_config"]["modules_to_not_convert"] = ["lm_head", "model.layers.1.mlp.down_proj"]
+    (tiled / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="dense matrices are held as stored only"):
+        load_model(str(tiled), quantized_dense=True)
+    del config["quantization_config"]["modules_to_not_convert"]
+    (tiled / "config.json").write_text(json.dumps(config))
+    tensors = load_file(str(tiled / "model.safetensors"))
+    name = "model.layers.1.mlp.down_proj.weight"
+    tensors[name] = tensors[name].float() * 0.01
+    del tensors[name + "_scale_inv"]
+    save_file(tensors, str(tiled / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"down_proj\.weight' comes unquantized"):
+        load_model(str(tiled), quantized_dense=True)
+
+
+def test_fp8_dense_forms() -> None:
+    """Which checkpoints' dense matrices may be held: one scheme throughout (compressed-tensors' single group), blocks
+    that tile every matrix with the kernel's tiles of inputs within them, and for GLM-4's interleaved RoPE, blocks of
+    whole heads; a scale per row where ``_scaled_mm`` takes the sides (multiples of 16)."""
+    from boundless.model.arch import ModelArch
+    from boundless.model.loader import quantized_dense_form
+    from boundless.model.quantized_checkpoint import QuantizedCheckpoint
+
+    arch = ModelArch(
+        model_type="llama", vocab_size=64, hidden_size=128, intermediate_size=256, num_layers=1, num_heads=4,
+        num_kv_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    assert quantized_dense_form(QuantizedCheckpoint("fp8", (32, 32), uniform=True), arch) == "blocks"
+    assert quantized_dense_form(QuantizedCheckpoint("fp8", (128, 128), uniform=True), arch) is None  # (kv: 64 rows)
+    assert quantized_dense_form(QuantizedCheckpoint("fp8", (32, 8), uniform=True), arch) is None  # (tiles of 16)
+    assert quantized_dense_form(QuantizedCheckpoint("fp8", (32, 32)), arch) is None  # (not one scheme throughout)
+    assert quantized_dense_form(QuantizedCheckpoint("compressed-tensors", None, uniform=True), arch) == "rows"
+    interleaved = dataclasses.replace(arch, model_type="glm4")
+    assert quantized_dense_form(QuantizedCheckpoint("fp8", (16, 32), uniform=True), interleaved) is None
+    assert quantized_dense_form(QuantizedCheckpoint("fp8", (32, 32), uniform=True), interleaved) == "blocks"
+    groups = {"a": {"weights": {"num_bits": 8, "type": "float"}}, "b": {"weights": {"num_bits": 8, "type": "float"}}}
+    config = {"quantization_config": {"quant_method": "compressed-tensors", "config_groups": groups}}
+    assert QuantizedCheckpoint.of(config) == QuantizedCheckpoint("compressed-tensors", None, uniform=False)
+    for ignored, uniform in (
+        (["lm_head"], True), (["re:.*lm_head"], True), (["model.layers.0.mlp.gate", "lm_head"], True),
+        (["model.layers.0.self_attn.o_proj"], False), (["re:.*o_proj"], False), (["model.layers.0.self_attn"], False),
+    ):  # fmt: skip
+        config = {"quantization_config": {"quant_method": "fp8", "modules_to_not_convert": ignored}}
+        assert QuantizedCheckpoint.of(config).uniform is uniform, ignored  # type: ignore[union-attr]
