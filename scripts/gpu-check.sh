@@ -2,8 +2,8 @@
 # The GPU checks of one device session, run from the repository root with the device's own python3 (PyTorch,
 # Triton, transformers; nothing installed), in at most 10 minutes (the default part, below).
 # GPU_CHECK_PART=flex (under 10 minutes), GPU_CHECK_PART=more (~7 minutes), GPU_CHECK_PART=moe (the mixtures of
-# experts' fused kernels and MXFP4, ~9 minutes) and GPU_CHECK_PART=fp8 (FP8 checkpoints' dense matrices held in
-# blocks, ~5 minutes) are runs for later sessions (two
+# experts' fused kernels and MXFP4, ~9 minutes) and GPU_CHECK_PART=quantized (FP8, GPTQ and AWQ checkpoints' dense
+# matrices held as stored, ~6 minutes) are runs for later sessions (two
 # parts with their machine starts pass a session's 15 minutes of device time). flex: FlexAttention's tests on CUDA
 # (--attention-backend flex: the kernel library against our Triton kernels), then `bench gpu --shapes tiles` (the
 # attention kernels' tile shapes swept on the 1B shape, against FlexAttention and SDPA) and the engine on it on the
@@ -64,16 +64,18 @@ if [ "${GPU_CHECK_PART:-main}" = moe ]; then
         | tee "$out/bench-moe.log" | tail -25
     exit
 fi
-if [ "${GPU_CHECK_PART:-main}" = fp8 ]; then
-    # FP8 checkpoints' dense matrices held as stored (7 December, CPU-checked only): the block kernel against the
-    # dequantized product (bfloat16 too), the tiny checkpoints held against their dequantized twins on both backends,
-    # the FP8 products' tests; then `bench gpu --shapes 8b,fp8`: the 8B batch-64 decode in bf16, then as an FP8
-    # checkpoint in blocks of 128 x 128 held as stored, each against its roofline (~5 minutes).
+if [ "${GPU_CHECK_PART:-main}" = quantized ]; then
+    # Quantized checkpoints' dense matrices held as stored (7 December, CPU-checked only): FP8 blocks through the
+    # experts' kernel and GPTQ/AWQ codes through int_linear's, each against the dequantized product (bfloat16 too);
+    # the tiny checkpoints held against their dequantized twins on both backends; the FP8 products' tests; then
+    # `bench gpu --shapes 8b,fp8,int4`: the 8B batch-64 decode in bf16, as an FP8 checkpoint in blocks of 128 x 128
+    # and as a 4-bit GPTQ one, the last two held as stored, each against its roofline (~6 minutes).
     BOUNDLESS_TEST_DEVICE=cuda timeout 150 python3 -m pytest -p no:cacheprovider -q -rfE --tb=short --maxfail=5 \
-        -k "dense or fp8" tests/model/test_fused_moe.py tests/model/test_quantized_checkpoint.py \
-        tests/model/test_fp8_linear.py 2>&1 | tee "$out/pytest-fp8.log" | tail -15
-    timeout 300 python3 -m boundless.bench.gpu --shapes 8b,fp8 --json "$out/bench-fp8.json" 2>&1 \
-        | tee "$out/bench-fp8.log" | tail -25
+        -k "dense or fp8 or bits or int_linear" tests/model/test_fused_moe.py tests/model/test_quantized_checkpoint.py \
+        tests/model/test_fp8_linear.py tests/model/test_int_linear.py tests/model/test_packed_int.py 2>&1 \
+        | tee "$out/pytest-quantized.log" | tail -15
+    timeout 360 python3 -m boundless.bench.gpu --shapes 8b,fp8,int4 --json "$out/bench-quantized.json" 2>&1 \
+        | tee "$out/bench-quantized.log" | tail -25
     exit
 fi
 if [ "${GPU_CHECK_PART:-main}" = more ]; then

@@ -21,7 +21,7 @@ from triton.compiler import ASTSource
 
 from boundless.attention import triton_kernels as kernels
 from boundless.engine import window_inputs
-from boundless.model import fp8_linear, fused_moe, triton_ops
+from boundless.model import fp8_linear, fused_moe, int_linear, triton_ops
 
 _ATTENTION_ARGS = {
     "lse_ptr": "*fp32", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_ptr": "*i32",
@@ -110,6 +110,29 @@ def fp8_linear_jobs() -> list[CompileJob]:
             4, 1,
         )
     ]  # fmt: skip
+
+
+def int_linear_jobs() -> list[CompileJob]:
+    """A GPTQ or AWQ checkpoint's matrices held in their bits (``model/int_linear.py``): 4 bits in groups of 128 in
+    fp16 (their checkpoints' type) for a decode's tiles and a prefill's with a bias (Qwen2's q/k/v), bf16 too, and 8
+    bits."""
+    jobs = []
+    for name, dtype, bits, (block_m, block_k), bias in (
+        ("int4-fp16/decode", "fp16", 4, (16, 64), False),
+        ("int4-fp16/prefill-bias", "fp16", 4, (64, 64), True),
+        ("int4-bf16/decode", "bf16", 4, (16, 64), False),
+        ("int8-fp16/decode", "fp16", 8, (16, 64), False),
+    ):
+        ptr = f"*{dtype}"
+        types = dict(
+            out_ptr=ptr, a_ptr=ptr, q_ptr="*u8", s_ptr="*fp32", z_ptr="*u8", bias_ptr=ptr, m_rows="i32",
+            n_cols="i32", k_cols="i32", stride_am="i32", stride_qn="i32", stride_sn="i32", stride_om="i32",
+        )  # fmt: skip
+        consts = dict(
+            GROUP=128, BITS=bits, HAS_BIAS=bias, PRECISION=None, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k
+        )  # fmt: skip
+        jobs.append(CompileJob(f"int_linear/{name}", (int_linear.__name__, "_int_product_kernel"), types, consts, 4, 3))
+    return jobs
 
 
 def fused_moe_jobs() -> list[CompileJob]:
@@ -229,7 +252,7 @@ def compile_jobs() -> list[CompileJob]:
             dict(PAGE=16, BLOCK=256), 4, 1,
         )
     )  # fmt: skip
-    return jobs + fp8_cache_jobs() + fp8_linear_jobs() + fused_moe_jobs()
+    return jobs + fp8_cache_jobs() + fp8_linear_jobs() + fused_moe_jobs() + int_linear_jobs()
 
 
 def compile_all(capability: int = 90, workers: int | None = None) -> dict[str, int]:

@@ -13,9 +13,9 @@ ones; speed does not depend on the values. In bf16 it runs
 5. (``--shapes moe``) a mixture of experts shaped like gpt-oss-20b (its first 8 layers, MXFP4 experts) against
    transformers, the experts on the fused Triton kernels and held in MXFP4, and beside it eagerly and with the
    experts dequantized;
-6. (``--shapes fp8``) the batch-64 decode of the 8B shape as an FP8 checkpoint (Qwen3-FP8's form: e4m3, a scale a
-   block of 128 x 128) held as stored, against its own roofline (half the weights' bytes) and, run with ``8b``,
-   against the bf16 decode;
+6. (``--shapes fp8``, ``int4``) the batch-64 decode of the 8B shape as an FP8 checkpoint (Qwen3-FP8's form: e4m3,
+   a scale a block of 128 x 128) and as a 4-bit GPTQ one (groups of 128), each held as stored, against its own
+   roofline (a half, a quarter of the weights' bytes) and, run with ``8b``, against the bf16 decode;
 
 and writes every figure to ``--json``. Each part records its error and the run goes on, so one
 failure does not cost the rest of the lease.
@@ -459,18 +459,22 @@ def weight_stream_bytes(loaded: LoadedModel) -> int:
     return total + head.numel() * head.element_size()
 
 
-def decode_roofline(args: argparse.Namespace, results: dict, root: Path, fp8_blocks: bool = False) -> dict:
-    """Batch-64 decode of the 8B shape: seconds per decode step against the weight-streaming roofline. ``fp8_blocks``:
-    the shape as an FP8 checkpoint, its projections e4m3 with a scale a block (128 x 128; the tiny shape's 16 x 16),
-    held as stored (the block kernel's products); its bytes, and so its roofline, about half."""
+def decode_roofline(args: argparse.Namespace, results: dict, root: Path, held: str | None = None) -> dict:
+    """Batch-64 decode of the 8B shape: seconds per decode step against the weight-streaming roofline. ``held``: the
+    shape as a quantized checkpoint whose projections are held as stored, ``fp8`` e4m3 with a scale a block (128 x
+    128; the tiny shape's 16 x 16: the block kernel's products) or ``int4`` GPTQ's 4 bits in groups of 128 (16:
+    ``int_linear``'s); its bytes, and so its roofline, about a half or a quarter."""
     spec = (TINY_SHAPES if args.tiny else SHAPES)["llama-3.1-8b"]
-    if fp8_blocks:
-        spec = dataclasses.replace(spec, fp8_block=(16, 16) if args.tiny else (128, 128))
-    name = "llama-8b-fp8" if fp8_blocks else "llama-8b"
+    size = 16 if args.tiny else 128
+    if held == "fp8":
+        spec = dataclasses.replace(spec, fp8_block=(size, size))
+    elif held == "int4":
+        spec = dataclasses.replace(spec, gptq_group=size)
+    name = f"llama-8b-{held}" if held else "llama-8b"
     path = write_random_model(root / name, spec, weights=False)  # config and tokenizer only
     loaded = load_model(
         str(path), "bfloat16", args.device, weights=(f"random-{name}", random_weights(spec, args.device)),
-        quantization=args.quantization, quantized_dense=True if fp8_blocks else None,
+        quantization=args.quantization, quantized_dense=True if held else None,
     )  # fmt: skip
     batch, input_len, output_len = (4, 16, 8) if args.tiny else (64, 128, 128)
     prompts = make_prompts(loaded, batch, input_len, seed=0)
@@ -512,9 +516,9 @@ def decode_roofline(args: argparse.Namespace, results: dict, root: Path, fp8_blo
         "bandwidth_bytes_per_s": bandwidth, "roofline_step_s": roofline_s, "step_over_roofline": step_s / roofline_s,
         "decode_tokens_per_s": batch / step_s,
     }  # fmt: skip
-    if fp8_blocks:
+    if held:
         layer = loaded.model.layers[0]
-        out["held_fp8_block"] = layer.fp8_block
+        out["held_as"] = f"fp8 blocks of {layer.fp8_block}" if held == "fp8" else f"(bits, group) {layer.int_form}"
         bf16 = (results.get("decode_8b") or {}).get("decode_step_s")
         out["speedup_over_bf16"] = bf16 / step_s if bf16 else None
     if windowed is not None:
@@ -569,8 +573,8 @@ def _windows(args: argparse.Namespace) -> list[int]:
 def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     shapes = {s.strip() for s in args.shapes.split(",") if s.strip()}
-    if unknown := shapes - {"host", "1b", "8b", "tiles", "moe", "fp8"}:
-        raise SystemExit(f"--shapes: unknown {', '.join(sorted(unknown))}; host, 1b, 8b, tiles, moe or fp8")
+    if unknown := shapes - {"host", "1b", "8b", "tiles", "moe", "fp8", "int4"}:
+        raise SystemExit(f"--shapes: unknown {', '.join(sorted(unknown))}; host, 1b, 8b, tiles, moe, fp8 or int4")
     _windows(args)  # (a bad --windows stops the run before anything is built)
     if device.type == "cuda" and not torch.cuda.is_available():  # (else each stage failed, and the run exited 0)
         raise SystemExit(
@@ -594,11 +598,12 @@ def run(args: argparse.Namespace) -> dict:
             torch.cuda.empty_cache()
     if "8b" in shapes:
         _stage(results, "decode_8b", lambda: decode_roofline(args, results, root))
-    if "fp8" in shapes:
-        gc.collect()  # (the bf16 8B model is garbage now: its 16 GB go before the FP8 one's 8 GB are taken)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        _stage(results, "decode_8b_fp8", lambda: decode_roofline(args, results, root, fp8_blocks=True))
+    for held in ("fp8", "int4"):
+        if held in shapes:
+            gc.collect()  # (the 8B model before is garbage now: its bytes go before this one's are taken)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            _stage(results, f"decode_8b_{held}", functools.partial(decode_roofline, args, results, root, held))
     if "moe" in shapes:
         _stage(results, "moe", lambda: bench_moe_shape(args, results, root))
         gc.collect()
@@ -684,14 +689,15 @@ def _summary(results: dict) -> None:
     if "moe_experts_in_mxfp4" in results:
         print(f"the mixture's experts held in MXFP4: {results['moe_experts_in_mxfp4']}")
     dec = results.get("decode_8b") or {}
-    fp8 = results.get("decode_8b_fp8") or {}
-    if "decode_step_s" in fp8:
-        versus = f", {fp8['speedup_over_bf16']:.2f}x the bf16 decode" if fp8.get("speedup_over_bf16") else ""
-        print(
-            f"8B batch-64 decode, FP8 checkpoint held in blocks of {fp8['held_fp8_block']}: "
-            f"{fp8['decode_step_s'] * 1e3:.2f} ms per step, roofline {fp8['roofline_step_s'] * 1e3:.2f} ms "
-            f"({fp8['step_over_roofline']:.2f}x){versus}"
-        )
+    for held in ("fp8", "int4"):
+        fig = results.get(f"decode_8b_{held}") or {}
+        if "decode_step_s" in fig:
+            versus = f", {fig['speedup_over_bf16']:.2f}x the bf16 decode" if fig.get("speedup_over_bf16") else ""
+            print(
+                f"8B batch-64 decode, {held} checkpoint held as stored ({fig['held_as']}): "
+                f"{fig['decode_step_s'] * 1e3:.2f} ms per step, roofline {fig['roofline_step_s'] * 1e3:.2f} ms "
+                f"({fig['step_over_roofline']:.2f}x){versus}"
+            )
     if "decode_step_s" in dec:
         print(
             f"8B batch-64 decode: {dec['decode_step_s'] * 1e3:.2f} ms per step, roofline "
@@ -728,8 +734,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="1b,8b",
         help="which shapes: 1b (against transformers), 8b (decode), host (the engine's host work on a tiny model: "
         "any device), tiles (the attention kernels' tile shapes swept on the 1B shape's attention), moe (a "
-        "gpt-oss-shaped mixture with MXFP4 experts against transformers), fp8 (the 8B decode as an FP8 checkpoint "
-        "held in blocks; with 8b, against the bf16 one)",
+        "gpt-oss-shaped mixture with MXFP4 experts against transformers), fp8 and int4 (the 8B decode as an FP8 "
+        "checkpoint held in blocks, a 4-bit GPTQ one held in its bits; with 8b, against the bf16 one)",
     )
     parser.add_argument(
         "--cases", type=positive_int, default=len(OFFLINE_CASES), help="how many of the 1B cases to run"

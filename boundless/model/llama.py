@@ -31,6 +31,7 @@ from boundless.model import cpu_kernels
 from boundless.model.arch import ModelArch
 from boundless.model.fp8_linear import FP8, Fp8Stack, fp8_linear, quantizable, quantize_rows
 from boundless.model.fused_moe import block_fp8_linear
+from boundless.model.int_linear import IntMatrix, int_linear
 from boundless.model.lora import DOWN, GATE_UP, O_PROJ, QKV, LoRABatch
 from boundless.model.moe import SparseMoE
 from boundless.model.rope import RotaryEmbedding, apply_rotary_, interleaved_to_halves
@@ -46,25 +47,14 @@ def linear(
     bias: torch.Tensor | None = None,
     scale: torch.Tensor | None = None,
     widened: cpu_kernels.PackedWeight | None = None,
-    block: tuple[int, int] | None = None,
-    kernel: bool = False,
 ) -> torch.Tensor:
     """``x @ weight.T + bias``; with ``scale``, ``weight`` is e4m3 and this its scale per row (``--quantization
-    fp8``: :func:`~boundless.model.fp8_linear.fp8_linear`; ``widened``: on the CPU, the e4m3 weight in fp32, packed),
-    or with ``block`` its scale a block (an FP8 checkpoint's, held as stored:
-    :func:`~boundless.model.fused_moe.block_fp8_linear`, in the Triton kernel on the GPU path, ``kernel``;
-    ``widened`` then the weight dequantized in fp32, packed).
+    fp8``: :func:`~boundless.model.fp8_linear.fp8_linear`; ``widened``: on the CPU, the e4m3 weight in fp32, packed).
 
     On the CPU, for the few tokens of a decode step, the BLAS is faster (20% on 2 AVX2 cores) with
     the weight matrix as the left operand, ``(weight @ x.T).T``; for large batches the transpose
     back costs more than it saves.
     """
-    if scale is not None and block is not None:
-        if widened is not None and x.device.type == "cpu" and not kernel:
-            out = widened.matmul(x.reshape(-1, x.shape[-1]).float())
-            out = out if bias is None else out.add_(bias)
-            return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
-        return block_fp8_linear(x, weight, scale, block, bias, kernel)
     if scale is not None:
         return fp8_linear(x, weight, scale, bias, None if widened is None else widened.matmul)
     if x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= _CPU_SMALL_BATCH:
@@ -280,7 +270,10 @@ class DecoderLayer(nn.Module):
         self.gate_up_scale: torch.Tensor | None = None
         self.down_scale: torch.Tensor | None = None
         self.fp8_block: tuple[int, int] | None = None
-        self.holds_fp8 = False  # (hold_fp8)
+        # A GPTQ or AWQ checkpoint's matrices held in their bits (hold_int): codes in ``{name}_weight``, scales and
+        # zero points [out, groups] in ``{name}_scale`` and ``{name}_zero``; (bits, group size, -1: a matrix's inputs).
+        self.int_form: tuple[int, int] | None = None
+        self.held_as_stored = False  # (hold_fp8, hold_int: the loader's weights of these matrices come as stored)
         # On the CPU, in any dtype (LlamaModel.prepare): each e4m3 matrix widened to fp32 and packed for the native
         # kernel, whose products give a row the same sums whatever rows share its step (fp8_linear's ``widened``).
         self.widened: dict[str, cpu_kernels.PackedWeight] = {}
@@ -308,7 +301,33 @@ class DecoderLayer(nn.Module):
             delattr(self, f"{name}_scale")  # (a plain attribute until now: a parameter moves with the module)
             scale = torch.empty(shape, dtype=torch.float32, device=weight.device)
             self.register_parameter(f"{name}_scale", nn.Parameter(scale, requires_grad=False))
-        self.fp8_block, self.holds_fp8 = block, True
+        self.fp8_block, self.held_as_stored = block, True
+
+    def hold_int(self, bits: int, group_size: int) -> None:
+        """Hold the layer's dense matrices as a GPTQ or AWQ checkpoint packs them, in ``bits`` (4 or 8) a weight with
+        a scale and a zero point a group of ``group_size`` inputs (-1: all of a matrix's), as
+        :class:`~boundless.model.int_linear.IntMatrix` lays them out: a quarter (an eighth of fp32's) of a 16-bit
+        model's bytes in 4 bits. Made on the meta device, before the weights are allocated and loaded."""
+        for name in self.dense_matrices():
+            weight = getattr(self, f"{name}_weight")
+            out, inputs = weight.shape
+            groups = 1 if group_size == -1 else inputs // group_size
+            codes = torch.empty(out, inputs * bits // 8, dtype=torch.uint8, device=weight.device)
+            setattr(self, f"{name}_weight", nn.Parameter(codes, requires_grad=False))
+            delattr(self, f"{name}_scale")  # (a plain attribute until now: a parameter moves with the module)
+            scales = torch.empty(out, groups, dtype=torch.float32, device=weight.device)
+            self.register_parameter(f"{name}_scale", nn.Parameter(scales, requires_grad=False))
+            zeros = torch.empty(out, groups, dtype=torch.uint8, device=weight.device)
+            self.register_parameter(f"{name}_zero", nn.Parameter(zeros, requires_grad=False))
+        self.int_form, self.held_as_stored = (bits, group_size), True
+
+    def int_matrix(self, name: str) -> IntMatrix:
+        """The matrix ``name`` held in its bits (:meth:`hold_int`)."""
+        assert self.int_form is not None
+        bits, group_size = self.int_form
+        codes = getattr(self, f"{name}_weight")
+        group = codes.shape[1] * 8 // bits if group_size == -1 else group_size
+        return IntMatrix(codes, getattr(self, f"{name}_scale"), getattr(self, f"{name}_zero"), bits, group)
 
     def quantize_fp8(self) -> None:
         """The layer's dense matrices (attention's, and the MLP's unless it has experts) to e4m3 with a scale per
@@ -335,7 +354,9 @@ class DecoderLayer(nn.Module):
         for name in ("qkv", "o", "gate_up", "down"):
             weight, scale = getattr(self, f"{name}_weight"), getattr(self, f"{name}_scale")
             if scale is not None and name not in self.widened:
-                if self.fp8_block is not None:  # (a scale a block: the weight dequantized, its product not scaled)
+                if self.int_form is not None:  # (held in its bits: dequantized, its product not scaled)
+                    widened = self.int_matrix(name).dequantized(torch.float32)
+                elif self.fp8_block is not None:  # (a scale a block: the weight dequantized, its product not scaled)
                     widened = Fp8Stack(weight.detach()[None], scale.detach()[None], self.fp8_block).dequantized(
                         0, torch.float32
                     )
@@ -356,9 +377,16 @@ class DecoderLayer(nn.Module):
         PyTorch path's products (``kernel``: the GPU path's, whose matrices held in FP8 blocks take the Triton
         kernel)."""
         bias = self.qkv_bias if name == "qkv" else bias
-        weight = getattr(self, f"{name}_weight")
-        scale = getattr(self, f"{name}_scale")
-        return linear(x, weight, bias, scale, self.widened.get(name), self.fp8_block, kernel)
+        weight, scale, widened = getattr(self, f"{name}_weight"), getattr(self, f"{name}_scale"), self.widened.get(name)
+        if self.int_form is not None or self.fp8_block is not None:  # (held in a form only its kernel reads)
+            if widened is not None and not kernel and x.device.type == "cpu":  # (dequantized once, packed)
+                out = widened.matmul(x.reshape(-1, x.shape[-1]).float())
+                out = out if bias is None else out.add_(bias)
+                return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+            if self.int_form is not None:
+                return int_linear(x, self.int_matrix(name), bias, kernel)
+            return block_fp8_linear(x, weight, scale, self.fp8_block, bias, kernel)
+        return linear(x, weight, bias, scale, widened)
 
     def activate(self, gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The MLP's gated activation, ``act(gate) * up`` (SiLU, or Gemma's tanh-approximated GELU), into ``out`` if
@@ -915,7 +943,7 @@ class LlamaModel(nn.Module):
                 tensor = self._as_loaded(name, tensor)
                 if name.endswith(".weight_scale") and tensor.numel() == 1:  # (one for the tensor: each row's)
                     tensor = tensor.reshape(1, 1).expand(dest.shape)
-                if dest.dtype == FP8 and tensor.dtype != FP8:
+                if dest.dtype in (FP8, torch.uint8) and tensor.dtype != dest.dtype:  # (held as stored: codes)
                     raise ValueError(
                         f"weight {name!r} comes unquantized ({tensor.dtype}) where this checkpoint's FP8 weights are "
                         "held as stored: load them dequantized (quantized_dense=False, quantized_experts=False)"
@@ -944,7 +972,7 @@ class LlamaModel(nn.Module):
         if (experts := self._in_experts(name)) is not None:
             _, moe, below = experts
             return moe.as_loaded(below, tensor)
-        if name.endswith(".weight_scale") and (layer := self._layer_of(name)) and layer.fp8_block is not None:
+        if name.endswith((".weight_scale", ".weight_zero")) and (layer := self._layer_of(name)) and layer.fp8_block:
             return tensor  # (a scale a block of rows, each block whole heads: quantized_dense_form)
         if arch.rope_interleaved and name.split(".")[-2] in ("q_proj", "k_proj") and not len(tensor) % arch.head_dim:
             return interleaved_to_halves(tensor, arch.head_dim, arch.rotary_dim)
@@ -968,13 +996,20 @@ class LlamaModel(nn.Module):
             return experts[1].held == "fp8" and ".experts." in name  # (a shared expert's are dense: dequantized)
         layer = self._layer_of(name)
         parts = name.split(".")
-        return layer is not None and layer.holds_fp8 and len(parts) == 6 and parts[3] in ("self_attn", "mlp")
+        return layer is not None and layer.held_as_stored and len(parts) == 6 and parts[3] in ("self_attn", "mlp")
 
     def hold_fp8(self, block: tuple[int, int] | None) -> None:
         """Every layer's dense matrices held as an FP8 checkpoint stores them (:meth:`DecoderLayer.hold_fp8`), before
         its tensors load."""
         for layer in self.layers:
             layer.hold_fp8(block)
+        self.quantized = True
+
+    def hold_int(self, bits: int, group_size: int) -> None:
+        """Every layer's dense matrices held as a GPTQ or AWQ checkpoint packs them (:meth:`DecoderLayer.hold_int`),
+        before its tensors load."""
+        for layer in self.layers:
+            layer.hold_int(bits, group_size)
         self.quantized = True
 
     def _in_experts(self, name: str) -> tuple[str, SparseMoE, str] | None:
@@ -1015,8 +1050,8 @@ class LlamaModel(nn.Module):
             _, moe, below = experts
             return moe.target(below) or (None, None)
         module, leaf = parts[-2], parts[-1]
-        if leaf == "weight_scale" and layer.holds_fp8:
-            return self._scale_target(layer, module, offsets, mlp_offsets)
+        if leaf in ("weight_scale", "weight_zero") and layer.held_as_stored:
+            return self._scale_target(layer, module, leaf.removeprefix("weight"), offsets, mlp_offsets)
         if leaf == "sinks":
             return layer.sinks, None
         if module == "o_proj" and leaf == "bias":
@@ -1039,12 +1074,15 @@ class LlamaModel(nn.Module):
         self,
         layer: DecoderLayer,
         module: str,
+        part: str,
         offsets: dict[str, tuple[int, int]],
         mlp_offsets: dict[str, int],
     ) -> tuple[torch.Tensor | None, tuple[int, int] | None]:
-        """Where a held FP8 matrix's scale goes (:meth:`DecoderLayer.hold_fp8`): the rows of its fused matrix's scales
-        that its rows take. A scale per row is held [1, out] (``fp8_linear``'s) and taken here as the [out, 1] it is
-        stored as; a scale a block is [out / rows, in / inputs], a row a block of rows."""
+        """Where a held matrix's scale or zero points (``part``: ``_scale``, ``_zero``) go
+        (:meth:`DecoderLayer.hold_fp8`, :meth:`DecoderLayer.hold_int`): the rows of its fused matrix's that its rows
+        take. An FP8 scale per row is held [1, out] (``fp8_linear``'s) and taken here as the [out, 1] it is stored
+        as; a scale a block is [out / rows, in / inputs], a row a block of rows; a GPTQ or AWQ matrix's are [out,
+        groups], a row a row."""
         if module in offsets:
             matrix, rows = "qkv", offsets[module]
         elif module in mlp_offsets:
@@ -1052,9 +1090,11 @@ class LlamaModel(nn.Module):
         else:
             matrix = {"o_proj": "o", "down_proj": "down", "qkv_proj": "qkv", "gate_up_proj": "gate_up"}.get(module, "")
             rows = None
-        scale = getattr(layer, f"{matrix}_scale", None)
+        scale = getattr(layer, f"{matrix}{part}", None)
         if scale is None:
             return None, None
+        if layer.int_form is not None:
+            return scale, rows
         if layer.fp8_block is None:
             return scale.view(-1, 1), rows
         per = layer.fp8_block[0]
@@ -1084,8 +1124,10 @@ class LlamaModel(nn.Module):
                 )
                 dense += [p + f"mlp.{m}.weight" for m in mlp]
             names.update(dense)
-            if self.layers[i].holds_fp8:  # (an FP8 checkpoint's matrices held as stored: their scales too)
+            if self.layers[i].held_as_stored:  # (a quantized checkpoint's matrices held as stored: their scales too)
                 names.update(n + "_scale" for n in dense)
+            if self.layers[i].int_form is not None:  # (and a GPTQ or AWQ checkpoint's zero points)
+                names.update(n + "_zero" for n in dense)
             names.update(p + f"{n}.weight" for n in _norm_names(self.arch, self.layers[i]))
             if self.arch.qk_norm:
                 names.update(p + f"self_attn.{m}.weight" for m in ("q_norm", "k_norm"))

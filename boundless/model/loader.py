@@ -162,17 +162,20 @@ def quantized_experts_form(quantized: object, arch: ModelArch) -> str | None:
 
 
 def quantized_dense_form(quantized: object, arch: ModelArch) -> str | None:
-    """How an FP8 checkpoint's dense matrices (attention's, a dense MLP's) can be held as it stores them: ``rows``
-    (a scale per tensor or per output channel: each matrix in e4m3 with a scale per row, as ``--quantization fp8``
-    holds it), ``blocks`` (a scale a block that tiles every matrix, the kernel's tiles of inputs within a block's: a
-    power of two of 16 or more; for GLM-4's interleaved RoPE, whose q and k rows are reordered within each head as
-    they load, blocks of whole heads), else None: dequantized as they load."""
-    if not isinstance(quantized, QuantizedCheckpoint) or not quantized.uniform:
-        return None
+    """How a quantized checkpoint's dense matrices (attention's, a dense MLP's) can be held as it stores them: ``int``
+    (GPTQ's and AWQ's 4 or 8 bits, groups by position that divide every matrix's inputs: ``LlamaModel.hold_int``); of
+    an FP8 checkpoint, ``rows`` (a scale per tensor or per output channel: each matrix in e4m3 with a scale per row,
+    as ``--quantization fp8`` holds it) or ``blocks`` (a scale a block that tiles every matrix, the kernel's tiles of
+    inputs within a block's: a power of two of 16 or more; for GLM-4's interleaved RoPE, whose q and k rows are
+    reordered within each head as they load, blocks of whole heads); else None: dequantized as they load."""
     q_size, kv_size = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     dense_mlp = len(arch.sparse_layers) < arch.num_layers
     outputs = [q_size, kv_size, arch.hidden_size] + ([arch.intermediate_size] if dense_mlp else [])
     inputs = [arch.hidden_size, q_size] + ([arch.intermediate_size] if dense_mlp else [])
+    if isinstance(quantized, PackedIntCheckpoint):
+        return "int" if quantized.holds(inputs) else None
+    if not isinstance(quantized, QuantizedCheckpoint) or not quantized.uniform:
+        return None
     if quantized.block is None:  # (``_scaled_mm``'s sides: multiples of 16)
         return "rows" if all(side % 16 == 0 for side in outputs + inputs) else None
     rows, cols = quantized.block
@@ -184,21 +187,25 @@ def quantized_dense_form(quantized: object, arch: ModelArch) -> str | None:
 def holds_quantized_dense(
     asked: bool | None, form: str | None, device: torch.device, ranks: int, dtype: torch.dtype
 ) -> bool:
-    """Whether an FP8 checkpoint's dense matrices are held as it stores them (``load_model``'s ``quantized_dense``;
-    ``form``: :func:`quantized_dense_form`'s): as ``asked``, or by default on a GPU with FP8 (sm_89 or later: Ada,
-    Hopper), on one rank, where their products run: scales a block in the Triton kernel, scales per row in
-    ``_scaled_mm``, which writes bfloat16 only. Asked of a checkpoint whose matrices cannot be, or over ranks, it is
-    refused."""
+    """Whether a quantized checkpoint's dense matrices are held as it stores them (``load_model``'s
+    ``quantized_dense``; ``form``: :func:`quantized_dense_form`'s): as ``asked``, or by default on a GPU, on one rank,
+    where their products run: GPTQ's and AWQ's in the Triton kernel (``int_linear``); an FP8 checkpoint's on a GPU with
+    FP8 (sm_89 or later: Ada, Hopper), scales a block in the Triton kernel, scales per row in ``_scaled_mm``, which
+    writes bfloat16 only. Asked of a checkpoint whose matrices cannot be, or over ranks, it is refused."""
     if asked is None:
-        if form is None or device.type != "cuda" or ranks > 1 or torch.cuda.get_device_capability(device) < (8, 9):
+        if form is None or device.type != "cuda" or ranks > 1:
             return False
-        if form == "blocks":
-            return importlib.util.find_spec("triton") is not None
-        return dtype == torch.bfloat16
+        triton = importlib.util.find_spec("triton") is not None
+        if form == "int":
+            return triton
+        if torch.cuda.get_device_capability(device) < (8, 9):
+            return False
+        return triton if form == "blocks" else dtype == torch.bfloat16
     if asked and form is None:
         raise ConfigError(
-            "a checkpoint's dense matrices are held as stored only from an FP8 checkpoint quantized alike throughout, "
-            "with scales per tensor, per channel, or a block that tiles them"
+            "a checkpoint's dense matrices are held as stored only from a GPTQ or AWQ checkpoint of 4 or 8 bits with "
+            "groups by position (not act-order), or an FP8 checkpoint quantized alike throughout, with scales per "
+            "tensor, per channel, or a block that tiles them"
         )
     if asked and ranks > 1:
         raise ConfigError(
@@ -516,7 +523,10 @@ def load_model(
     if held_form is not None:
         assert quantized is not None  # (a form is a quantized checkpoint's)
         model.hold_quantized_experts(held_form, getattr(quantized, "block", None))
-    if dense_form is not None:
+    if isinstance(quantized, PackedIntCheckpoint) and dense_form is not None:
+        model.hold_int(quantized.bits, quantized.group_size)
+        tensors = quantized.dequantized(tensors, keep=model.holds_as_stored)
+    elif dense_form is not None:
         assert isinstance(quantized, QuantizedCheckpoint)
         model.hold_fp8(quantized.block if dense_form == "blocks" else None)
     if isinstance(quantized, QuantizedCheckpoint) and (held_form == "fp8" or dense_form is not None):

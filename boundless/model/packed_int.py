@@ -19,20 +19,22 @@ A linear layer ``W`` of ``in`` inputs and ``out`` outputs is stored as three or 
 
 AutoGPTQ saves a bias beside every layer it packs, zeros where the model has none (Llama's): the model skips a zero
 bias it has no place for. The layers come back in fp32 (the loader casts them to the model's type): the model then
-runs as the unquantized one would on these weights, holding them whole (this loads such checkpoints; it does not run
-4-bit kernels). Checked against AutoAWQ's ``dequantize_gemm`` and AutoGPTQ's CPU forward
-(``tests/model/test_packed_int.py``).
+runs as the unquantized one would on these weights, holding them whole; or, the layers ``keep`` names (a model's
+dense matrices on a GPU: ``LlamaModel.hold_int``), in their 4 or 8 bits as
+:class:`~boundless.model.int_linear.IntMatrix` holds them (``held``). Checked against AutoAWQ's
+``dequantize_gemm`` and AutoGPTQ's CPU forward (``tests/model/test_packed_int.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from boundless.config import ConfigError
+from boundless.model.int_linear import IntMatrix
 
 _PARTS = (".qweight", ".qzeros", ".scales", ".g_idx")
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the output each four bits of an AWQ int32 hold, by position
@@ -73,9 +75,13 @@ class PackedIntCheckpoint:
             )
         return PackedIntCheckpoint("gptq", bits, group_size, 1 if form == "gptq" else 0, bool(quant.get("desc_act")))
 
-    def dequantized(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    def dequantized(
+        self, weights: Iterator[tuple[str, torch.Tensor]], keep: Callable[[str], bool] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """``weights`` with each packed layer's parts replaced by its weight (fp32, ``[out, in]``), as soon as its
-        parts have come (they may lie in different files, in any order). Other tensors pass as they are."""
+        parts have come (they may lie in different files, in any order). Other tensors pass as they are. A layer
+        whose weight ``keep`` names comes held instead (:meth:`held`): ``NAME.weight`` its codes, beside them
+        ``NAME.weight_scale`` and ``NAME.weight_zero``."""
         needed = {".qweight", ".qzeros", ".scales"} | ({".g_idx"} if self.act_order else set())
         waiting: dict[str, dict[str, torch.Tensor]] = {}
         done: set[str] = set()
@@ -92,7 +98,13 @@ class PackedIntCheckpoint:
             if needed <= parts.keys():
                 del waiting[layer]
                 done.add(layer)
-                yield layer + ".weight", self.weight(layer, parts)
+                if keep is not None and keep(layer + ".weight"):
+                    matrix = self.held(layer, parts)
+                    yield layer + ".weight", matrix.codes
+                    yield layer + ".weight_scale", matrix.scales
+                    yield layer + ".weight_zero", matrix.zeros
+                else:
+                    yield layer + ".weight", self.weight(layer, parts)
         missing = {layer: sorted(needed - parts.keys()) for layer, parts in waiting.items()}
         if missing:
             raise ValueError(f"packed layers without all their parts: {dict(list(missing.items())[:3])}")
@@ -115,6 +127,38 @@ class PackedIntCheckpoint:
         groups = self._groups(layer, inputs, scales.shape[0], parts.get(".g_idx"))
         w = (q - zeros[groups]).to(torch.float32) * scales[groups]
         return w.t().contiguous()
+
+    def holds(self, inputs: list[int]) -> bool:
+        """Whether matrices of these input widths can be held in their bits (:meth:`held`): 4 or 8 bits, groups by
+        position (not act-order's), each width a whole number of groups."""
+        size = self.group_size
+        return self.bits in (4, 8) and not self.act_order and (size == -1 or all(n % size == 0 for n in inputs))
+
+    def held(self, layer: str, parts: Mapping[str, torch.Tensor]) -> IntMatrix:
+        """One layer held in its bits: codes ``[out, in * bits / 8]`` (GPTQ's int32s transposed are these bytes;
+        AWQ's outputs are put in order and their inputs paired), its scales and zero points ``[out, groups]``; the
+        same weights :meth:`weight` makes (:meth:`IntMatrix.dequantized`)."""
+        scales = parts[".scales"]
+        mask = (1 << self.bits) - 1
+        if self.method == "awq":
+            values = _awq_outputs(_unpack(parts[".qweight"], self.bits, dim=1)).t()
+            codes = (values[:, 0::2] | (values[:, 1::2] << 4)).to(torch.uint8)
+            zeros = _awq_outputs(_unpack(parts[".qzeros"], self.bits, dim=1))
+        else:
+            codes = parts[".qweight"].to(torch.int32).t().contiguous().view(torch.uint8)
+            zeros = (_unpack(parts[".qzeros"], self.bits, dim=1) + self.zero_offset) & mask
+        outputs, inputs = codes.shape[0], codes.shape[1] * 8 // self.bits
+        if scales.shape[1] != outputs or zeros.shape != scales.shape:
+            raise ValueError(
+                f"{layer}: packed weights of {inputs} x {outputs} with scales {tuple(scales.shape)} and zero points "
+                f"{tuple(zeros.shape)}"
+            )
+        assert not self.act_order  # (held only with groups by position: holds)
+        self._groups(layer, inputs, scales.shape[0], None)  # (the groups fall within the scales)
+        group = inputs if self.group_size == -1 else self.group_size
+        return IntMatrix(
+            codes.contiguous(), scales.t().contiguous(), zeros.t().to(torch.uint8).contiguous(), self.bits, group
+        )
 
     def _groups(self, layer: str, inputs: int, num_groups: int, g_idx: torch.Tensor | None) -> torch.Tensor:
         """Each input's group: g_idx's under act-order, else by position."""

@@ -90,6 +90,9 @@ class TinySpec:
     # An FP8 checkpoint's (Qwen3-*-FP8's quant_method fp8): every layer's projections in e4m3, a scale a block of
     # (rows, inputs).
     fp8_block: tuple[int, int] | None = None
+    # A GPTQ checkpoint's (AutoGPTQ's 4-bit format): every layer's projections in 4 bits, a scale and a zero point a
+    # group of this many inputs.
+    gptq_group: int | None = None
     # SmolLM3's layer without RoPE every this many.
     no_rope_layer_interval: int = 4
     # GLM-4.5's: its first dense layers, shared experts, groups of experts (and those chosen), the routed weights'
@@ -292,6 +295,11 @@ def _config(spec: TinySpec) -> dict:
             num_nextn_predict_layers=1,
             pad_token_id=0,
         )
+    if spec.gptq_group is not None:
+        cfg["quantization_config"] = {
+            "quant_method": "gptq", "bits": 4, "group_size": spec.gptq_group, "desc_act": False, "sym": False,
+            "checkpoint_format": "gptq",
+        }  # fmt: skip
     if spec.fp8_block is not None:
         cfg["quantization_config"] = {
             "quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(spec.fp8_block)
@@ -311,16 +319,38 @@ def random_weights(spec: TinySpec, device: str | torch.device = "cpu") -> Iterat
     in fp32, then cast to ``spec.dtype``); with ``spec.fp8_block``, each layer's projections as an FP8 checkpoint
     stores them (:func:`fp8_blocks`)."""
     weights = _drawn_weights(spec, device)
-    if spec.fp8_block is None:
+    if spec.fp8_block is None and spec.gptq_group is None:
         yield from weights
         return
     for name, tensor in weights:
-        if name.startswith("model.layers.") and name.endswith("_proj.weight") and tensor.dim() == 2:
+        if not (name.startswith("model.layers.") and name.endswith("_proj.weight") and tensor.dim() == 2):
+            yield name, tensor
+        elif spec.gptq_group is not None:
+            layer = name.removesuffix(".weight")
+            qweight, qzeros, scales = gptq_4bit(tensor, spec.gptq_group)
+            yield from ((layer + ".qweight", qweight), (layer + ".qzeros", qzeros), (layer + ".scales", scales))
+        else:
+            assert spec.fp8_block is not None
             q, scale = fp8_blocks(tensor, spec.fp8_block)
             yield name, q
             yield name + "_scale_inv", scale
-        else:
-            yield name, tensor
+
+
+def gptq_4bit(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``weight`` [out, in] in AutoGPTQ's 4-bit format (v1): ``qweight`` int32 [in / 8, out] (8 consecutive inputs
+    an int32, the first lowest), ``qzeros`` int32 [groups, out / 8] (each zero point stored less one) and ``scales``
+    fp16 [groups, out], each group of ``group`` inputs by its own minimum and maximum."""
+    out, inputs = weight.shape
+    w = weight.float().t().reshape(inputs // group, group, out)
+    low, high = w.amin(dim=1).clamp(max=0), w.amax(dim=1).clamp(min=0)
+    scales = ((high - low) / 15).clamp_min(1e-6).half()
+    zeros = (-low / scales.float()).round().clamp(0, 15)
+    q = (w / scales.float()[:, None] + zeros[:, None]).round().clamp(0, 15).to(torch.int32).reshape(inputs, out)
+    shifts = torch.arange(0, 32, 4, device=weight.device, dtype=torch.int32)
+    qweight = (q.view(inputs // 8, 8, out) << shifts.view(1, 8, 1)).sum(dim=1, dtype=torch.int32)
+    stored = (zeros.to(torch.int32) - 1) & 15
+    qzeros = (stored.view(inputs // group, out // 8, 8) << shifts).sum(dim=2, dtype=torch.int32)
+    return qweight, qzeros, scales
 
 
 def fp8_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:

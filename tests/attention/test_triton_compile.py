@@ -31,14 +31,17 @@ def test_kernels_compile_for_sm90() -> None:
     # window's next-pass inputs; a bf16 model's over an fp8 cache (e4m3: decode, split decode, prefill, store; e5m2:
     # decode, store); --quantization fp8's activation quantizer; and a mixture's experts (bf16 decode and prefill, fp32,
     # gpt-oss's MXFP4 decode and prefill, --quantization fp8's e4m3 decode and prefill, an FP8 checkpoint's blocks,
-    # GLM-4.5's routing weights in fp32; an FP8 checkpoint's dense matrices in blocks, a decode's and a prefill's).
-    assert len(shared) == (2 * 7 + 2 + 4) + (2 * 3 + 2 + 4) + 1 + (4 + 2) + 1 + 9 + 2
+    # GLM-4.5's routing weights in fp32; an FP8 checkpoint's dense matrices in blocks, a decode's and a prefill's);
+    # and a GPTQ or AWQ checkpoint's matrices held in their bits (4 bits in fp16, decode and prefill, bf16; 8 bits).
+    assert len(shared) == (2 * 7 + 2 + 4) + (2 * 3 + 2 + 4) + 1 + (4 + 2) + 1 + 9 + 2 + 4
     assert {
         "fused_moe/bf16/decode",
         "fused_moe/mxfp4-bf16/prefill-bias-routed",
         "fused_moe/fp8-bf16/decode",
         "fused_moe/fp8-blocks-bf16/dense-decode-bias",
         "fused_moe/fp8-blocks-bf16/dense-prefill",
+        "int_linear/int4-fp16/prefill-bias",
+        "int_linear/int8-fp16/decode",
     } <= shared.keys()
     assert {"attention/bf16/d128/prefill-window", "rms_norm-gemma/bf16"} <= shared.keys()
     assert "attention/bf16/d128/decode-split-window-softcap" in shared

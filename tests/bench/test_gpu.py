@@ -96,24 +96,27 @@ def test_bench_gpu_runs_the_mixture_against_transformers_and_beside_itself(tmp_p
     assert results["moe_experts_in_mxfp4"] == (DEVICE.type == "cuda")
 
 
-def test_bench_gpu_decodes_the_8b_shape_as_an_fp8_checkpoint_held_in_blocks(tmp_path: Path) -> None:
-    """``--shapes 8b,fp8``: the 8B stand-in's decode, then the same shape as an FP8 checkpoint (drawn in memory, its
-    projections e4m3 with a scale a block) held as stored: against its own roofline, whose weights' bytes are about
-    half the bf16 one's, and against the bf16 decode."""
+def test_bench_gpu_decodes_the_8b_shape_as_quantized_checkpoints_held_as_stored(tmp_path: Path) -> None:
+    """``--shapes 8b,fp8,int4``: the 8B stand-in's decode, then the same shape as an FP8 checkpoint (drawn in memory,
+    its projections e4m3 with a scale a block) and as a 4-bit GPTQ one, each held as stored: against its own roofline,
+    whose layers' bytes are about a half and a quarter of the bf16 one's, and against the bf16 decode."""
     parser = argparse.ArgumentParser()
     gpu.add_arguments(parser)
     args = parser.parse_args(
-        ["--tiny", "--shapes", "8b,fp8", "--device", TEST_DEVICE, "--workdir", str(tmp_path), "--json",
+        ["--tiny", "--shapes", "8b,fp8,int4", "--device", TEST_DEVICE, "--workdir", str(tmp_path), "--json",
          str(tmp_path / "fp8.json"), "--max-model-len", "256", "--kv-cache-gb", "0.05", "--attention-backend",
          BACKEND, "--repeats", "1", "--windows", ""]
     )  # fmt: skip
     results = gpu.run(args)
     assert not {k: v for k, v in results.items() if isinstance(v, dict) and "error" in v}
-    bf16, fp8 = results["decode_8b"], results["decode_8b_fp8"]
-    assert fp8["held_fp8_block"] == (16, 16) and isinstance(fp8["speedup_over_bf16"], float)
-    # (The tiny shape's embedding and head stay 16-bit: its layers' bytes halve, with a scale a block of 256.)
-    layers = bf16["weight_bytes"] - fp8["weight_bytes"]
-    assert 0.3 * bf16["weight_bytes"] < layers < 0.5 * bf16["weight_bytes"]
+    bf16, fp8, int4 = results["decode_8b"], results["decode_8b_fp8"], results["decode_8b_int4"]
+    assert fp8["held_as"] == "fp8 blocks of (16, 16)" and isinstance(fp8["speedup_over_bf16"], float)
+    assert int4["held_as"] == "(bits, group) (4, 16)" and isinstance(int4["speedup_over_bf16"], float)
+    # (The tiny shape's embedding and head stay 16-bit: its layers' bytes halve in e4m3, with a scale a block of 256,
+    # and in 4 bits a quarter, with a scale and a zero point, 5 bytes, a group of 16: less still.)
+    layers = {held: bf16["weight_bytes"] - fig["weight_bytes"] for held, fig in (("fp8", fp8), ("int4", int4))}
+    assert 0.3 * bf16["weight_bytes"] < layers["fp8"] < 0.5 * bf16["weight_bytes"]
+    assert layers["fp8"] < layers["int4"] < bf16["weight_bytes"]
     assert not list((tmp_path / "llama-8b-fp8").glob("*.safetensors"))
 
 

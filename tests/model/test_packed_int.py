@@ -10,6 +10,7 @@ weights, to the bit)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -18,8 +19,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from boundless.attention import triton_paged
 from boundless.config import ConfigError
-from boundless.model.loader import load_model
+from boundless.engine.core import EngineCore
+from boundless.engine.sampling_params import SamplingParams
+from boundless.llm import engine_config
+from boundless.model.loader import LoadedModel, load_model
 from boundless.model.packed_int import PackedIntCheckpoint
 from boundless.model.random_model import TinySpec, write_random_model
 
@@ -181,3 +186,68 @@ def test_settings_in_the_file_older_releases_wrote_beside_config_json_are_read(t
     )
     with pytest.raises(ConfigError, match="does not load here"):
         load_model(str(packed))
+
+
+# Held in their bits (``quantized_dense``: the default on a GPU with Triton, one rank): int_linear's products.
+TEST_DEVICE = os.environ.get("BOUNDLESS_TEST_DEVICE", "cpu")  # (conftest's)
+
+
+def _greedy(loaded: LoadedModel, backend: str = "auto") -> list[list[int]]:
+    core = EngineCore.from_model(
+        loaded, engine_config(loaded.name, max_model_len=128, num_kv_blocks=32, attention_backend=backend)
+    )
+    for i, prompt in enumerate([[5, 9, 13, 17, 21, 25], [7, 3, 11] * 5]):
+        core.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    out: dict[str, list[int]] = {"0": [], "1": []}
+    while core.has_unfinished():
+        for delta in core.step():
+            out[delta.request_id].extend(delta.new_token_ids)
+    return list(out.values())
+
+
+@pytest.mark.parametrize(("method", "bits", "v2"), [("awq", 4, False), ("gptq", 4, False), ("gptq", 8, True)])
+@pytest.mark.parametrize(
+    "backend", ["auto", pytest.param("triton", marks=pytest.mark.slow if TEST_DEVICE == "cpu" else ())]
+)
+def test_a_packed_checkpoints_matrices_are_held_in_their_bits(
+    tmp_path: Path, method: str, bits: int, v2: bool, backend: str
+) -> None:
+    """Every attention and MLP matrix held as its codes (a byte two 4-bit inputs, GPTQ's int32s transposed; AWQ's
+    outputs put in order), scales and zero points a group, q's, k's and v's stacked as their rows are: a quarter of
+    fp16's bytes in 4 bits; dequantized they are the weights the checkpoint stands for, and the engine gives the
+    dequantized checkpoint's tokens (the native path dequantizes each matrix once as it packs it; the Triton kernel
+    each tile in registers). Zero points moved by a 16th of the codes' range give other tokens."""
+    packed, reference = _write(tmp_path, method, bits, v2=v2)
+    held = load_model(str(packed), device=TEST_DEVICE, quantized_dense=True)
+    plain = load_model(str(reference), device=TEST_DEVICE)
+    for layer, want in zip(held.model.layers, plain.model.layers, strict=True):
+        assert layer.int_form == (bits, 16)
+        for name in ("qkv", "o", "gate_up", "down"):
+            weight = getattr(want, f"{name}_weight")
+            codes = getattr(layer, f"{name}_weight")
+            assert codes.dtype == torch.uint8 and codes.shape == (weight.shape[0], weight.shape[1] * bits // 8)
+            assert getattr(layer, f"{name}_scale").shape == (weight.shape[0], weight.shape[1] // 16)
+            dense = layer.int_matrix(name).dequantized(torch.float32)
+            assert torch.allclose(dense, weight, rtol=0, atol=1e-6), name
+    if backend == "triton" and not triton_paged.available(held.device):
+        pytest.skip("triton unavailable")
+    tokens = _greedy(held, backend)
+    assert tokens == _greedy(plain, backend)
+    with torch.no_grad():
+        for layer in held.model.layers:
+            layer.gate_up_zero.add_(1 << (bits - 3))  # (a 16th of the codes' range)
+            layer.widened.clear()  # (the native path's packed copies, made again)
+    assert _greedy(held, backend) != tokens
+
+
+def test_act_order_and_2_bit_checkpoints_are_not_held_in_their_bits(tmp_path: Path) -> None:
+    """Act-order's groups follow g_idx, not the inputs' positions: such a checkpoint loads dequantized (refused when
+    asked to be held), as do 2-bit ones; on the CPU nothing is held by default."""
+    packed, _ = _write(tmp_path, "gptq", act_order=True)
+    with pytest.raises(ConfigError, match="GPTQ or AWQ checkpoint of 4 or 8 bits with groups by position"):
+        load_model(str(packed), quantized_dense=True)
+    assert load_model(str(packed)).model.layers[0].qkv_weight.dtype == torch.float32
+    plain, _ = _write(tmp_path / "plain", "gptq")
+    assert load_model(str(plain)).model.layers[0].int_form is None
+    assert not PackedIntCheckpoint("gptq", 2, 16).holds([64]) and not PackedIntCheckpoint("gptq", 4, 48).holds([64])
+    assert PackedIntCheckpoint("awq", 4, -1).holds([64, 96]) and PackedIntCheckpoint("gptq", 8, 32).holds([64, 96])
