@@ -443,7 +443,8 @@ def host_profile(fn: Callable[[], Any], limit: int = 40) -> dict:
 
 def weight_stream_bytes(loaded: LoadedModel) -> int:
     """Bytes a decode step must read of the weights: every layer (as held: a byte an element in e4m3 with
-    ``--quantization fp8``, with the scales of its rows), the final norm and the LM head (the embedding is only
+    ``--quantization fp8``, with the scales of its rows; a quantized checkpoint's held as stored, with its scales and
+    zero points), the final norm and the LM head (the embedding is only
     gathered, a row per sequence, unless it is also the head)."""
     model = loaded.model
     total = sum(p.numel() * p.element_size() for p in model.layers.parameters())

@@ -291,8 +291,8 @@ def block_fp8_linear(
     """``x @ W.T + bias`` for ``W`` an FP8 checkpoint's matrix as it stores it: ``weight`` [out, in] e4m3 and
     ``scales`` [out / block[0], in / block[1]] fp32, ``W = weight * scale`` of its block. ``kernel``: one launch of
     the experts' kernel over one expert (each tile widened to ``x``'s type exactly, its product scaled as it sums,
-    the bias added before the one rounding, as ``nn.Linear`` rounds); else (the PyTorch path on a device without
-    Triton) ``W`` dequantized into ``x``'s type for the product."""
+    the bias added before the one rounding, as ``nn.Linear`` rounds); else (the PyTorch path, or a device
+    without Triton) ``W`` dequantized into ``x``'s type for the product."""
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
     stack = Fp8Stack(weight.unsqueeze(0), scales.unsqueeze(0), block)

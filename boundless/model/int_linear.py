@@ -120,8 +120,8 @@ def int_linear(
     x: torch.Tensor, matrix: IntMatrix, bias: torch.Tensor | None = None, kernel: bool = True
 ) -> torch.Tensor:
     """``x @ W.T + bias`` for ``W`` the matrix held in ``matrix``: ``kernel``, one launch of
-    :func:`_int_product_kernel`; else (a device without Triton) ``W`` dequantized into ``x``'s type for the
-    product."""
+    :func:`_int_product_kernel`; else (the PyTorch path, or a device without Triton) ``W`` dequantized into ``x``'s
+    type for the product."""
     shape = x.shape
     n = matrix.codes.shape[0]
     rows = x.reshape(-1, shape[-1])

@@ -65,6 +65,11 @@ def linear(
     return F.linear(x, weight, bias)
 
 
+class HeldWeightMismatch(ValueError):
+    """A checkpoint weight that does not come in the form its matrix is held in as stored (a projection its config
+    did not say it left unquantized, or FP8 of another kind): the loader then loads the checkpoint dequantized."""
+
+
 class PackedLinear:
     """A weight pre-packed for oneDNN's CPU matmul, used for the LM head (the largest matrix).
 
@@ -274,8 +279,9 @@ class DecoderLayer(nn.Module):
         # zero points [out, groups] in ``{name}_scale`` and ``{name}_zero``; (bits, group size, -1: a matrix's inputs).
         self.int_form: tuple[int, int] | None = None
         self.held_as_stored = False  # (hold_fp8, hold_int: the loader's weights of these matrices come as stored)
-        # On the CPU, in any dtype (LlamaModel.prepare): each e4m3 matrix widened to fp32 and packed for the native
-        # kernel, whose products give a row the same sums whatever rows share its step (fp8_linear's ``widened``).
+        # On the CPU, in any dtype (LlamaModel.prepare): each e4m3 matrix widened to fp32 (one held as a checkpoint
+        # stores it with scales a block or in 4 or 8 bits: dequantized into fp32) and packed for the native kernel,
+        # whose products give a row the same sums whatever rows share its step (fp8_linear's ``widened``).
         self.widened: dict[str, cpu_kernels.PackedWeight] = {}
         # And in fp32 a mixture's experts (unquantized) packed as the native path packs them, for the same reason.
         self.widened_experts: list[tuple[cpu_kernels.PackedWeight, cpu_kernels.PackedWeight]] = []
@@ -345,9 +351,10 @@ class DecoderLayer(nn.Module):
             setattr(self, f"{name}_scale", scale)
 
     def widen_fp8(self, on: bool, fp32: bool = False) -> None:
-        """``on``: each quantized matrix widened to fp32 (exact) and packed for the native CPU kernel, once; else
-        none (another device: ``_scaled_mm`` takes the e4m3 matrices). ``fp32`` (a model in fp32 on the CPU): a
-        mixture's router and experts packed too, as the native path packs them."""
+        """``on``: each quantized matrix widened to fp32 (exact; one held in FP8 blocks or in its bits
+        dequantized into fp32, its product then not scaled) and packed for the native CPU kernel, once; else none
+        (another device: ``_scaled_mm`` and the Triton kernels take the matrices as held). ``fp32`` (a model in fp32
+        on the CPU): a mixture's router and experts packed too, as the native path packs them."""
         if not on:
             self.widened, self.widened_experts = {}, []
             return
@@ -383,9 +390,9 @@ class DecoderLayer(nn.Module):
                 out = widened.matmul(x.reshape(-1, x.shape[-1]).float())
                 out = out if bias is None else out.add_(bias)
                 return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
-            if self.int_form is not None:
-                return int_linear(x, self.int_matrix(name), bias, kernel)
-            return block_fp8_linear(x, weight, scale, self.fp8_block, bias, kernel)
+            if self.fp8_block is not None:
+                return block_fp8_linear(x, weight, scale, self.fp8_block, bias, kernel)
+            return int_linear(x, self.int_matrix(name), bias, kernel)
         return linear(x, weight, bias, scale, widened)
 
     def activate(self, gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -944,9 +951,9 @@ class LlamaModel(nn.Module):
                 if name.endswith(".weight_scale") and tensor.numel() == 1:  # (one for the tensor: each row's)
                     tensor = tensor.reshape(1, 1).expand(dest.shape)
                 if dest.dtype in (FP8, torch.uint8) and tensor.dtype != dest.dtype:  # (held as stored: codes)
-                    raise ValueError(
-                        f"weight {name!r} comes unquantized ({tensor.dtype}) where this checkpoint's FP8 weights are "
-                        "held as stored: load them dequantized (quantized_dense=False, quantized_experts=False)"
+                    raise HeldWeightMismatch(
+                        f"weight {name!r} comes as {tensor.dtype} where this checkpoint's weights are held as stored, "
+                        f"in {dest.dtype}"
                     )
                 if dest.shape != tensor.shape:
                     raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
@@ -974,7 +981,8 @@ class LlamaModel(nn.Module):
             return moe.as_loaded(below, tensor)
         if name.endswith((".weight_scale", ".weight_zero")) and (layer := self._layer_of(name)) and layer.fp8_block:
             return tensor  # (a scale a block of rows, each block whole heads: quantized_dense_form)
-        if arch.rope_interleaved and name.split(".")[-2] in ("q_proj", "k_proj") and not len(tensor) % arch.head_dim:
+        interleaved = arch.rope_interleaved and name.split(".")[-2] in ("q_proj", "k_proj")
+        if interleaved and tensor.dim() and not len(tensor) % arch.head_dim:  # (a 0-d scale is the tensor's: as is)
             return interleaved_to_halves(tensor, arch.head_dim, arch.rotary_dim)
         if not arch.norm_weight_offset or not name.endswith("norm.weight"):
             return tensor

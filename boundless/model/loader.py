@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import re
 import struct
@@ -19,7 +20,7 @@ from boundless.config import ConfigError, ModelConfig
 from boundless.model.arch import FLOAT16_UNSTABLE, NOT_TEXT_PREFIXES, ModelArch, with_defaults
 from boundless.model.classifier import SCORE_WEIGHT, ScoreWeight, classifier_spec, head_from_tokens
 from boundless.model.fp8_linear import check_quantization
-from boundless.model.llama import LlamaModel
+from boundless.model.llama import HeldWeightMismatch, LlamaModel
 from boundless.model.moe import blocks_tile
 from boundless.model.mxfp4 import Mxfp4Checkpoint
 from boundless.model.packed_int import PackedIntCheckpoint
@@ -37,6 +38,8 @@ from boundless.model.tensor_parallel import (
 
 if TYPE_CHECKING:
     from boundless.model.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -176,8 +179,8 @@ def quantized_dense_form(quantized: object, arch: ModelArch) -> str | None:
         return "int" if quantized.holds(inputs) else None
     if not isinstance(quantized, QuantizedCheckpoint) or not quantized.uniform:
         return None
-    if quantized.block is None:  # (``_scaled_mm``'s sides: multiples of 16)
-        return "rows" if all(side % 16 == 0 for side in outputs + inputs) else None
+    if quantized.block is None:  # (``_scaled_mm``'s sides: multiples of 16; scales a group of inputs: dequantized)
+        return "rows" if quantized.per_row and all(side % 16 == 0 for side in outputs + inputs) else None
     rows, cols = quantized.block
     tiled = all(side % rows == 0 for side in outputs) and all(side % cols == 0 for side in inputs)
     whole_heads = not arch.rope_interleaved or rows % arch.head_dim == 0
@@ -208,9 +211,11 @@ def holds_quantized_dense(
             "tensor, per channel, or a block that tiles them"
         )
     if asked and ranks > 1:
-        raise ConfigError(
-            "FP8 matrices held as stored are not split over tensor-parallel ranks (they load dequantized)"
-        )
+        raise ConfigError("matrices held as stored are not split over tensor-parallel ranks (they load dequantized)")
+    if asked and form != "int" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ConfigError("an FP8 checkpoint's matrices are held as stored on a GPU with FP8 (sm_89 or later) only")
+    if asked and form == "rows" and device.type == "cuda" and dtype != torch.bfloat16:
+        raise ConfigError("FP8 matrices with a scale per row are held as stored in --dtype bfloat16 only on CUDA")
     return asked
 
 
@@ -536,7 +541,21 @@ def load_model(
         check_fits(model, torch.cuda.mem_get_info(dev)[0], str(dev))
     model = model.to_empty(device=dev)  # allocated once, in the target dtype
     model.whole_arch, model.tensor_parallel = full_arch, tensor_parallel
-    model.load_weights(tensors)
+    try:
+        model.load_weights(tensors)
+    except HeldWeightMismatch as e:
+        # (A weight its config did not say comes unquantized: the checkpoint is read again, dequantized, unless the
+        # holding was asked for or the weights were given, which cannot be read twice.)
+        if quantized_dense is not None or quantized_experts is not None or weights is not None:
+            raise ConfigError(f"--model {path}: {e}") from None
+        log.warning("--model %s: %s; loading it dequantized", path, e)
+        del model, tensors
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        return load_model(
+            name, dtype, device, hf_overrides=hf_overrides, quantization=quantization,
+            tensor_parallel=tensor_parallel, quantized_experts=False, quantized_dense=False,
+        )  # fmt: skip
     if quantization == "fp8":
         model.quantize_fp8()
     model.eval()
@@ -563,6 +582,8 @@ def load_model(
     # (The dtype used, not the one asked for: ``auto`` is float32 on the CPU and 16-bit on a GPU.)
     # (And the quantization: KV computed on quantized weights is another model's, in the prefix cache and the store.)
     quant_tag = f":{quantization}" if quantization else ""
+    # (And weights held as stored: their products round otherwise than the dequantized weights' do.)
+    quant_tag += (f":experts-{held_form}" if held_form else "") + (f":dense-{dense_form}" if dense_form else "")
     # (A tensor-parallel rank's blocks hold its heads only: another engine's blocks are not interchangeable.)
     tp_tag = f":tp{tensor_parallel.size}" if tensor_parallel.size > 1 else ""
     fingerprint = hashlib.sha256(

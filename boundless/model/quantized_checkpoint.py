@@ -11,7 +11,9 @@ A checkpoint says how it is quantized in ``config.json``'s ``quantization_config
 
 Each weight is dequantized as it arrives (``weight * scale``, the scale spread over its block) into the model's type;
 activation scales (``input_scale``) and KV scales (``k_scale``, ``v_scale``) are dropped: the model then runs as the
-unquantized one would on these weights, in its own type, and its KV in ``--kv-cache-dtype``'s. Weights the
+unquantized one would on these weights, in its own type, and its KV in ``--kv-cache-dtype``'s. Or, on a GPU, the
+weights are held as stored (the ``keep`` of :meth:`QuantizedCheckpoint.dequantized`: ``loader.quantized_dense_form``,
+``quantized_experts_form``). Weights the
 checkpoint left unquantized (its ``ignore`` list: often ``lm_head``) come as they are. GPTQ and AWQ checkpoints (integer
 weights packed in int32) load through ``model/packed_int.py``, gpt-oss's MXFP4 ones through ``model/mxfp4.py``. Any
 other method (bitsandbytes, integer
@@ -40,15 +42,17 @@ _DROPPED = (".input_scale", ".k_scale", ".v_scale", ".kv_scale", ".output_scale"
 
 @dataclass(frozen=True)
 class QuantizedCheckpoint:
-    """How a checkpoint's weights are quantized: the method, and the block a scale covers (None: per tensor or per
-    output channel, as each scale's shape says). ``uniform``: every quantized weight has the one scheme (quant_method
-    fp8's; compressed-tensors' with one group), and the modules it leaves unquantized are none of a layer's attention
-    or MLP matrices (``ignore``, ``modules_to_not_convert``: ``lm_head`` usually), so its dense matrices may be held
+    """How a checkpoint's weights are quantized: the method, and the block a scale covers (None: per tensor, per
+    output channel or per group of inputs, as each scale's shape says; ``per_row``: not per group). ``uniform``: every
+    quantized weight has the one scheme (quant_method fp8's; compressed-tensors' with one group that targets every
+    linear layer), and the modules it leaves unquantized are none of a layer's attention or MLP matrices (``ignore``,
+    ``modules_to_not_convert``, AutoFP8's ``ignored_layers``: ``lm_head`` usually), so its dense matrices may be held
     as stored (``loader.quantized_dense_form``)."""
 
     method: str
     block: tuple[int, int] | None = None
     uniform: bool = False
+    per_row: bool = True  # (with no block: scales per tensor or per output channel, not per group of inputs)
 
     @staticmethod
     def of(
@@ -71,11 +75,15 @@ class QuantizedCheckpoint:
             return Mxfp4Checkpoint()
         if method == "fp8":
             block = quant.get("weight_block_size")
-            uniform = _leaves_layers_quantized(quant.get("modules_to_not_convert"))
+            uniform = all(_leaves_layers_quantized(quant.get(k)) for k in ("modules_to_not_convert", "ignored_layers"))
             return QuantizedCheckpoint(method, (int(block[0]), int(block[1])) if block else None, uniform)
         if method == "compressed-tensors":
-            uniform = len(quant.get("config_groups") or {}) == 1 and _leaves_layers_quantized(quant.get("ignore"))
-            return QuantizedCheckpoint(method, _compressed_tensors_block(quant), uniform)
+            groups = list((quant.get("config_groups") or {}).values())
+            # (One group targeting every linear layer: the whole model in its one scheme.)
+            uniform = len(groups) == 1 and groups[0].get("targets", ["Linear"]) == ["Linear"]
+            uniform = uniform and _leaves_layers_quantized(quant.get("ignore"))
+            per_row = all((g.get("weights") or {}).get("strategy") in ("tensor", "channel", None) for g in groups)
+            return QuantizedCheckpoint(method, _compressed_tensors_block(quant), uniform, per_row)
         raise ConfigError(
             f"this checkpoint is quantized with {method or 'an unnamed method'!r}, which does not load here: FP8 "
             "checkpoints (quant_method fp8 or compressed-tensors' float weights), GPTQ, AWQ and MXFP4 ones, GGUF files "
@@ -87,8 +95,9 @@ class QuantizedCheckpoint:
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """``weights`` with each quantized weight in fp32 (its scale applied) and the scales themselves gone. A
         weight and its scale may come in either order (they may lie in different files). A weight ``keep`` names
-        (a mixture's experts, held as stored: ``SparseMoE.hold_fp8``) comes as it is, its scale beside it under
-        ``NAME.weight_scale`` whatever the checkpoint calls it."""
+        (held as stored: a mixture's experts, ``SparseMoE.hold_fp8``; a model's dense matrices,
+        ``LlamaModel.hold_fp8``) comes as it is, its scale beside it under ``NAME.weight_scale`` whatever the
+        checkpoint calls it."""
         waiting: dict[str, torch.Tensor] = {}  # a quantized weight's name -> its weight, or its scale, seen first
         for name, tensor in weights:
             if name.endswith(_DROPPED):

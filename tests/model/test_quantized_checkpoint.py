@@ -302,15 +302,24 @@ def test_fp8_matrices_with_a_scale_per_channel_are_held_as_fp8_quantization_hold
     assert _greedy(held) == _greedy(again)
 
 
-def test_a_scale_per_tensor_is_every_row_of_its_matrix(tmp_path: Path) -> None:
+@pytest.mark.parametrize("spec", [None, GLM4], ids=["llama", "glm4-interleaved-0d-scales"])
+def test_a_scale_per_tensor_is_every_row_of_its_matrix(tmp_path: Path, spec: TinySpec | None) -> None:
     """vLLM's per-tensor FP8: q's, k's and v's one scale each spread over their rows of the fused matrix; dequantized
-    the matrices are the reference's to the bit. The activations' static scales are dropped (dynamic per token)."""
-    quantized, reference = _write_pair(tmp_path, "tensor")
+    the matrices are the reference's to the bit. The activations' static scales are dropped (dynamic per token).
+    AutoFP8 saves each scale 0-d: so too (GLM-4's q and k rows reordered as they load, their scale as it is). Held,
+    the model computes otherwise than dequantized: its KV is named apart (the fingerprint)."""
+    quantized, reference = _write_pair(tmp_path, "tensor", spec=spec)
+    if spec is not None:
+        stored = load_file(str(quantized / "model.safetensors"))
+        save_file({k: v.reshape(()) if k.endswith("_scale") else v for k, v in stored.items()},
+                  str(quantized / "model.safetensors"))  # fmt: skip
     held = load_model(str(quantized), quantized_dense=True)
+    assert held.fingerprint != load_model(str(quantized)).fingerprint
     plain = load_model(str(reference))
     scales = load_file(str(quantized / "model.safetensors"))
     layer = held.model.layers[0]
-    for name, rows in (("q_proj", slice(0, 64)), ("k_proj", slice(64, 96)), ("v_proj", slice(96, 128))):
+    q, kv = (64, 32) if spec is None else (128, 64)
+    for name, rows in (("q_proj", slice(0, q)), ("k_proj", slice(q, q + kv)), ("v_proj", slice(q + kv, q + 2 * kv))):
         stored = scales[f"model.layers.0.self_attn.{name}.weight_scale"]
         assert torch.equal(layer.qkv_scale[0, rows], stored.expand(rows.stop - rows.start))
     for layer, want in zip(held.model.layers, plain.model.layers, strict=True):
@@ -319,10 +328,13 @@ def test_a_scale_per_tensor_is_every_row_of_its_matrix(tmp_path: Path) -> None:
             assert torch.equal(dense, getattr(want, f"{name}_weight")), name
 
 
-def test_fp8_matrices_are_held_only_in_forms_their_products_take(tmp_path: Path) -> None:
+def test_fp8_matrices_are_held_only_in_forms_their_products_take(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """Blocks of 48 do not tile a hidden size of 64: refused when asked, dequantized by default (and on the CPU by
     default the dense matrices load dequantized whatever their form). A checkpoint that leaves a projection
-    unquantized (``ignore``) is not held either; one that says nothing of a projection it left in 32-bit is named."""
+    unquantized (``ignore``) is not held either; one that says nothing of a projection it left in 32-bit is named
+    when holding was asked for, and where it is the default (a GPU's) the checkpoint is read again dequantized."""
     quantized, _ = _write_pair(tmp_path, "block")
     with pytest.raises(ConfigError, match="dense matrices are held as stored only"):
         load_model(str(quantized), quantized_dense=True)
@@ -341,8 +353,20 @@ def test_fp8_matrices_are_held_only_in_forms_their_products_take(tmp_path: Path)
     tensors[name] = tensors[name].float() * 0.01
     del tensors[name + "_scale_inv"]
     save_file(tensors, str(tiled / "model.safetensors"))
-    with pytest.raises(ValueError, match=r"down_proj\.weight' comes unquantized"):
+    with pytest.raises(ConfigError, match=r"down_proj\.weight' comes as torch\.float32 where this checkpoint's"):
         load_model(str(tiled), quantized_dense=True)
+    from boundless.model import loader
+
+    held_by_default = loader.holds_quantized_dense
+    monkeypatch.setattr(
+        loader, "holds_quantized_dense", lambda asked, form, *rest: form is not None if asked is None else asked
+    )
+    assert held_by_default(None, "blocks", torch.device("cpu"), 1, torch.float32) is False
+    with caplog.at_level("WARNING", logger="boundless.model.loader"):
+        again = load_model(str(tiled))
+    assert again.model.layers[0].qkv_weight.dtype == torch.float32 and not again.model.layers[0].held_as_stored
+    assert "loading it dequantized" in caplog.text
+    assert torch.equal(again.model.layers[1].down_weight, tensors[name])
 
 
 def test_fp8_dense_forms() -> None:
@@ -373,5 +397,21 @@ def test_fp8_dense_forms() -> None:
         (["lm_head"], True), (["re:.*lm_head"], True), (["model.layers.0.mlp.gate", "lm_head"], True),
         (["model.layers.0.self_attn.o_proj"], False), (["re:.*o_proj"], False), (["model.layers.0.self_attn"], False),
     ):  # fmt: skip
-        config = {"quantization_config": {"quant_method": "fp8", "modules_to_not_convert": ignored}}
-        assert QuantizedCheckpoint.of(config).uniform is uniform, ignored  # type: ignore[union-attr]
+        for key in ("modules_to_not_convert", "ignored_layers"):  # (HF's FP8 config's; AutoFP8's)
+            config = {"quantization_config": {"quant_method": "fp8", key: ignored}}
+            assert QuantizedCheckpoint.of(config).uniform is uniform, ignored  # type: ignore[union-attr]
+    # compressed-tensors: one group over every linear layer is uniform; one over some of them is not; scales a group
+    # of inputs are no scale per row.
+    group = {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}
+    every = {"quant_method": "compressed-tensors", "config_groups": {"g": group}, "ignore": ["lm_head"]}
+    assert QuantizedCheckpoint.of({"quantization_config": every}) == QuantizedCheckpoint(
+        "compressed-tensors", None, uniform=True
+    )
+    some = {"quant_method": "compressed-tensors", "config_groups": {"g": {**group, "targets": ["re:.*q_proj"]}}}
+    assert not QuantizedCheckpoint.of({"quantization_config": some}).uniform  # type: ignore[union-attr]
+    grouped = {**group, "weights": {**group["weights"], "strategy": "group", "group_size": 32}}
+    by_group = QuantizedCheckpoint.of(
+        {"quantization_config": {"quant_method": "compressed-tensors", "config_groups": {"g": grouped}}}
+    )
+    assert by_group == QuantizedCheckpoint("compressed-tensors", None, uniform=True, per_row=False)
+    assert quantized_dense_form(by_group, arch) is None
