@@ -66,13 +66,13 @@ if [ "${GPU_CHECK_PART:-main}" = moe ]; then
 fi
 if [ "${GPU_CHECK_PART:-main}" = quantized ]; then
     # Quantized checkpoints' dense matrices held as stored (7 December, CPU-checked only): FP8 blocks through the
-    # experts' kernel and GPTQ/AWQ codes through int_linear's, each against the dequantized product (bfloat16 too);
+    # experts' kernel and GPTQ/AWQ codes too (dense matrices and experts), each against the dequantized product (bfloat16 too);
     # the tiny checkpoints held against their dequantized twins on both backends; the FP8 products' tests; then
     # `bench gpu --shapes 8b,fp8,int4`: the 8B batch-64 decode in bf16, as an FP8 checkpoint in blocks of 128 x 128
     # and as a 4-bit GPTQ one, the last two held as stored, each against its roofline (~6 minutes).
     BOUNDLESS_TEST_DEVICE=cuda timeout 150 python3 -m pytest -p no:cacheprovider -q -rfE --tb=short --maxfail=5 \
-        -k "dense or fp8 or bits or int_linear" tests/model/test_fused_moe.py tests/model/test_quantized_checkpoint.py \
-        tests/model/test_fp8_linear.py tests/model/test_int_linear.py tests/model/test_packed_int.py 2>&1 \
+        -k "dense or fp8 or bits or int_stack" tests/model/test_fused_moe.py tests/model/test_quantized_checkpoint.py \
+        tests/model/test_fp8_linear.py tests/model/test_int_stack.py tests/model/test_packed_int.py 2>&1 \
         | tee "$out/pytest-quantized.log" | tail -15
     timeout 360 python3 -m boundless.bench.gpu --shapes 8b,fp8,int4 --json "$out/bench-quantized.json" 2>&1 \
         | tee "$out/bench-quantized.log" | tail -25

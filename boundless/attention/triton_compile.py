@@ -21,7 +21,7 @@ from triton.compiler import ASTSource
 
 from boundless.attention import triton_kernels as kernels
 from boundless.engine import window_inputs
-from boundless.model import fp8_linear, fused_moe, int_linear, triton_ops
+from boundless.model import fp8_linear, fused_moe, triton_ops
 
 _ATTENTION_ARGS = {
     "lse_ptr": "*fp32", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_ptr": "*i32",
@@ -112,62 +112,46 @@ def fp8_linear_jobs() -> list[CompileJob]:
     ]  # fmt: skip
 
 
-def int_linear_jobs() -> list[CompileJob]:
-    """A GPTQ or AWQ checkpoint's matrices held in their bits (``model/int_linear.py``): 4 bits in groups of 128 in
-    fp16 (their checkpoints' type) for a decode's tiles and a prefill's with a bias (Qwen2's q/k/v), bf16 too, and 8
-    bits."""
-    jobs = []
-    for name, dtype, bits, (block_m, block_k), bias in (
-        ("int4-fp16/decode", "fp16", 4, (16, 64), False),
-        ("int4-fp16/prefill-bias", "fp16", 4, (64, 64), True),
-        ("int4-bf16/decode", "bf16", 4, (16, 64), False),
-        ("int8-fp16/decode", "fp16", 8, (16, 64), False),
-    ):
-        ptr = f"*{dtype}"
-        types = dict(
-            out_ptr=ptr, a_ptr=ptr, q_ptr="*u8", s_ptr="*fp32", z_ptr="*u8", bias_ptr=ptr, m_rows="i32",
-            n_cols="i32", k_cols="i32", stride_am="i32", stride_qn="i32", stride_sn="i32", stride_om="i32",
-        )  # fmt: skip
-        consts = dict(
-            GROUP=128, BITS=bits, HAS_BIAS=bias, PRECISION=None, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k
-        )  # fmt: skip
-        jobs.append(CompileJob(f"int_linear/{name}", (int_linear.__name__, "_int_product_kernel"), types, consts, 4, 3))
-    return jobs
-
-
 def fused_moe_jobs() -> list[CompileJob]:
     """A mixture's experts on the GPU path (``model/fused_moe.py``): a decode's tiles (few rows an expert) and a
     prefill's, with the biases and the routing weight, in bf16 and fp32, gpt-oss's experts read as MXFP4, and
     ``--quantization fp8``'s experts and an FP8 checkpoint's read as e4m3 (sm_89 or later), and an FP8 checkpoint's
-    dense matrices through the same kernel (``block_fp8_linear``)."""
+    dense matrices through the same kernel (``held_linear``); and a GPTQ or AWQ checkpoint's experts and dense
+    matrices in their bits (4 bits in groups of 128, in fp16, their checkpoints' type, and bf16; 8 bits)."""
     jobs = []
-    for name, weight, scales, dtype, (block_m, block_n, block_k), bias, routed, scale_block in (
-        ("bf16/decode", "bf16", "bf16", "bf16", (16, 32, 64), False, False, (1, 0)),
-        ("bf16/prefill-bias-routed", "bf16", "bf16", "bf16", (64, 64, 64), True, True, (1, 0)),
-        ("fp32/decode", "fp32", "fp32", "fp32", (16, 32, 32), False, True, (1, 0)),
-        ("mxfp4-bf16/decode-bias", "u8", "u8", "bf16", (16, 32, 64), True, False, (1, 0)),
-        ("mxfp4-bf16/prefill-bias-routed", "u8", "u8", "bf16", (64, 64, 64), True, True, (1, 0)),
-        ("fp8-bf16/decode", "fp8e4nv", "fp32", "bf16", (16, 32, 64), False, False, (1, 0)),
-        ("bf16/decode-routed", "bf16", "bf16", "bf16", (16, 32, 64), False, True, (1, 0)),
-        ("fp8-bf16/prefill-routed", "fp8e4nv", "fp32", "bf16", (64, 64, 64), False, True, (1, 0)),
+    for name, weight, scales, dtype, (block_m, block_n, block_k), bias, routed, scale_block, int_bits in (
+        ("bf16/decode", "bf16", "bf16", "bf16", (16, 32, 64), False, False, (1, 0), 0),
+        ("bf16/prefill-bias-routed", "bf16", "bf16", "bf16", (64, 64, 64), True, True, (1, 0), 0),
+        ("fp32/decode", "fp32", "fp32", "fp32", (16, 32, 32), False, True, (1, 0), 0),
+        ("mxfp4-bf16/decode-bias", "u8", "u8", "bf16", (16, 32, 64), True, False, (1, 0), 0),
+        ("mxfp4-bf16/prefill-bias-routed", "u8", "u8", "bf16", (64, 64, 64), True, True, (1, 0), 0),
+        ("fp8-bf16/decode", "fp8e4nv", "fp32", "bf16", (16, 32, 64), False, False, (1, 0), 0),
+        ("bf16/decode-routed", "bf16", "bf16", "bf16", (16, 32, 64), False, True, (1, 0), 0),
+        ("fp8-bf16/prefill-routed", "fp8e4nv", "fp32", "bf16", (64, 64, 64), False, True, (1, 0), 0),
         # (An FP8 checkpoint's experts, a scale a block of 128 x 128: Qwen3-30B-A3B-FP8's.)
-        ("fp8-blocks-bf16/decode", "fp8e4nv", "fp32", "bf16", (16, 32, 64), False, False, (128, 128)),
-        # (An FP8 checkpoint's dense matrices, one expert every row chose: block_fp8_linear's tiles, a bias or none.)
-        ("fp8-blocks-bf16/dense-decode-bias", "fp8e4nv", "fp32", "bf16", (16, 64, 64), True, False, (128, 128)),
-        ("fp8-blocks-bf16/dense-prefill", "fp8e4nv", "fp32", "bf16", (64, 64, 64), False, False, (128, 128)),
+        ("fp8-blocks-bf16/decode", "fp8e4nv", "fp32", "bf16", (16, 32, 64), False, False, (128, 128), 0),
+        # (An FP8 checkpoint's dense matrices, one expert every row chose: held_linear's tiles, a bias or none.)
+        ("fp8-blocks-bf16/dense-decode-bias", "fp8e4nv", "fp32", "bf16", (16, 64, 64), True, False, (128, 128), 0),
+        ("fp8-blocks-bf16/dense-prefill", "fp8e4nv", "fp32", "bf16", (64, 64, 64), False, False, (128, 128), 0),
+        # (GPTQ's and AWQ's codes: experts routed, dense matrices with Qwen2's q/k/v bias, in fp16 and bf16; 8 bits.)
+        ("int4-fp16/decode-routed", "u8", "fp32", "fp16", (16, 32, 64), False, True, (1, 0), 4),
+        ("int4-fp16/dense-prefill-bias", "u8", "fp32", "fp16", (64, 64, 64), True, False, (1, 0), 4),
+        ("int4-bf16/dense-decode", "u8", "fp32", "bf16", (16, 64, 64), False, False, (1, 0), 4),
+        ("int8-fp16/dense-decode", "u8", "fp32", "fp16", (16, 64, 64), False, False, (1, 0), 8),
     ):
         # (GLM-4.5's routing weights come in fp32, the others' in the model's type.)
         routing = "*fp32" if name == "bf16/decode-routed" else f"*{dtype}"
         ptr = f"*{dtype}"
         types = dict(
-            out_ptr=ptr, a_ptr=ptr, w_ptr=f"*{weight}", scale_ptr=f"*{scales}", bias_ptr=ptr, routing_ptr=routing,
+            out_ptr=ptr, a_ptr=ptr, w_ptr=f"*{weight}", scale_ptr=f"*{scales}", zero_ptr="*u8", bias_ptr=ptr,
+            routing_ptr=routing,
             sorted_ptr="*i32", block_expert_ptr="*i32", num_rows_ptr="*i32", n_cols="i32", k_cols="i32",
             num_slots="i32", a_row_of_slot="i32", stride_am="i32", stride_we="i32", stride_wn="i32", stride_wk="i32",
             stride_se="i32", stride_sn="i32", stride_sk="i32", stride_be="i32", stride_om="i32",
         )  # fmt: skip
         consts = dict(
-            HAS_BIAS=bias, ROUTED=routed, MXFP4=weight == "u8", FP8=weight == "fp8e4nv", SCALE_N=scale_block[0],
-            SCALE_K=scale_block[1],
+            HAS_BIAS=bias, ROUTED=routed, MXFP4=weight == "u8" and not int_bits, FP8=weight == "fp8e4nv",
+            SCALE_N=scale_block[0], SCALE_K=scale_block[1], INT_BITS=int_bits, GROUP=128 if int_bits else 1,
             PRECISION="ieee" if dtype == "fp32" else None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         )  # fmt: skip
         kernel = (fused_moe.__name__, "_expert_product_kernel")
@@ -252,7 +236,7 @@ def compile_jobs() -> list[CompileJob]:
             dict(PAGE=16, BLOCK=256), 4, 1,
         )
     )  # fmt: skip
-    return jobs + fp8_cache_jobs() + fp8_linear_jobs() + fused_moe_jobs() + int_linear_jobs()
+    return jobs + fp8_cache_jobs() + fp8_linear_jobs() + fused_moe_jobs()
 
 
 def compile_all(capability: int = 90, workers: int | None = None) -> dict[str, int]:

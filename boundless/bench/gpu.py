@@ -464,7 +464,7 @@ def decode_roofline(args: argparse.Namespace, results: dict, root: Path, held: s
     """Batch-64 decode of the 8B shape: seconds per decode step against the weight-streaming roofline. ``held``: the
     shape as a quantized checkpoint whose projections are held as stored, ``fp8`` e4m3 with a scale a block (128 x
     128; the tiny shape's 16 x 16: the block kernel's products) or ``int4`` GPTQ's 4 bits in groups of 128 (16:
-    ``int_linear``'s); its bytes, and so its roofline, about a half or a quarter."""
+    ``held_linear``'s); its bytes, and so its roofline, about a half or a quarter."""
     spec = (TINY_SHAPES if args.tiny else SHAPES)["llama-3.1-8b"]
     size = 16 if args.tiny else 128
     if held == "fp8":

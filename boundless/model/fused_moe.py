@@ -18,8 +18,12 @@ quarter of bfloat16's bytes and dequantizes each tile in registers (vLLM reads t
 under ``--quantization fp8`` as e4m3 with a scale per output row (``Fp8Stack``): half the bytes, each tile widened to
 the input's type and its product scaled.
 
-A dense matrix is a mixture of one expert that every row chose (:func:`block_fp8_linear`): an FP8 checkpoint's
-attention and MLP matrices, held in e4m3 with a scale a block (Qwen3's 128 x 128), run through the same kernel.
+GPTQ's and AWQ's experts may come in their 4 or 8 bits (``IntStack``): codes, a scale and a zero point a group of
+inputs, each tile dequantized in registers.
+
+A dense matrix is a mixture of one expert that every row chose (:func:`held_linear`): an FP8 checkpoint's attention
+and MLP matrices, held in e4m3 with a scale a block (Qwen3's 128 x 128), and a GPTQ or AWQ checkpoint's in their
+bits, run through the same kernel.
 
 The kernels run on CUDA and, for the tests, in Triton's interpreter on the CPU (``TRITON_INTERPRET=1``); the CPU's
 own path stays the per-expert one (its native kernels).
@@ -34,7 +38,10 @@ import torch
 import torch.nn.functional as F
 
 from boundless.model.fp8_linear import Fp8Stack
+from boundless.model.int_stack import IntStack
 from boundless.model.mxfp4 import Mxfp4Stack
+
+HeldStack = Mxfp4Stack | Fp8Stack | IntStack  # (a stack of matrices held quantized)
 
 try:
     import triton
@@ -117,11 +124,12 @@ if triton is not None:
 
     @triton.jit
     def _expert_product_kernel(
-        out_ptr, a_ptr, w_ptr, scale_ptr, bias_ptr, routing_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
-        n_cols, k_cols, num_slots, a_row_of_slot,
+        out_ptr, a_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, routing_ptr, sorted_ptr, block_expert_ptr,
+        num_rows_ptr, n_cols, k_cols, num_slots, a_row_of_slot,
         stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_be, stride_om,
         HAS_BIAS: tl.constexpr, ROUTED: tl.constexpr, MXFP4: tl.constexpr, FP8: tl.constexpr,
-        SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, PRECISION: tl.constexpr,
+        SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, INT_BITS: tl.constexpr, GROUP: tl.constexpr,
+        PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         """Rows ``[pid_m * BLOCK_M, +BLOCK_M)`` of the grouped rows (one expert's) times columns
@@ -136,7 +144,12 @@ if triton is not None:
 
         With FP8 the weight is e4m3 with a scale [n_cols / SCALE_N, k_cols / SCALE_K] a block (SCALE_K 0: one along
         the whole row): each tile's product is taken in the input's type (e4m3 widens exactly) and scaled as it is
-        summed, a column's scale factoring out of its sum. SCALE_K is then a multiple of BLOCK_K."""
+        summed, a column's scale factoring out of its sum. SCALE_K is then a multiple of BLOCK_K.
+
+        With INT_BITS (4 or 8; 0: none) the weight is codes (bytes [n_cols, k_cols * INT_BITS / 8]: in 4 bits input
+        ``2i`` the low nibble of byte ``i``), with scales (fp32) and zero points (uint8) [n_cols, k_cols / GROUP] a
+        group of inputs, read along the scales' strides: each tile's ``(code - zero) * scale`` in fp32, rounded to the
+        input's type, and in 4 bits the even and odd inputs multiplied apart, as MXFP4's."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
@@ -169,6 +182,37 @@ if triton is not None:
                 high = (_e2m1(packed >> 4) * scale).to(even.dtype)
                 acc += tl.dot(even, low, input_precision=PRECISION)
                 acc += tl.dot(odd, high, input_precision=PRECISION)
+        elif INT_BITS == 4:
+            s_base = scale_ptr + expert * stride_se + cols[None, :] * stride_sn
+            z_base = zero_ptr + expert * stride_se + cols[None, :] * stride_sn
+            for k0 in range(0, k_cols, BLOCK_K):
+                byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+                b_ok = byte < k_cols // 2
+                w_mask = b_ok[:, None] & col_ok[None, :]
+                packed = tl.load(w_base + byte[:, None] * stride_wk, mask=w_mask, other=0).to(tl.int32)
+                group = ((2 * byte[:, None]) // GROUP) * stride_sk  # (a group is even: a byte's two inputs share it)
+                scale = tl.load(s_base + group, mask=w_mask, other=0.0)
+                zero = tl.load(z_base + group, mask=w_mask, other=0).to(tl.int32)
+                a_mask = valid[:, None] & b_ok[None, :]
+                even = tl.load(a_base + 2 * byte[None, :], mask=a_mask, other=0.0)
+                odd = tl.load(a_base + 2 * byte[None, :] + 1, mask=a_mask, other=0.0)
+                low = (((packed & 15) - zero).to(tl.float32) * scale).to(even.dtype)
+                high = (((packed >> 4) - zero).to(tl.float32) * scale).to(even.dtype)
+                acc += tl.dot(even, low, input_precision=PRECISION)
+                acc += tl.dot(odd, high, input_precision=PRECISION)
+        elif INT_BITS == 8:
+            s_base = scale_ptr + expert * stride_se + cols[None, :] * stride_sn
+            z_base = zero_ptr + expert * stride_se + cols[None, :] * stride_sn
+            for k0 in range(0, k_cols, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                k_ok = ks < k_cols
+                w_mask = k_ok[:, None] & col_ok[None, :]
+                code = tl.load(w_base + ks[:, None] * stride_wk, mask=w_mask, other=0).to(tl.int32)
+                group = (ks[:, None] // GROUP) * stride_sk
+                scale = tl.load(s_base + group, mask=w_mask, other=0.0)
+                zero = tl.load(z_base + group, mask=w_mask, other=0).to(tl.int32)
+                a = tl.load(a_base + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+                acc += tl.dot(a, ((code - zero).to(tl.float32) * scale).to(a.dtype), input_precision=PRECISION)
         elif FP8:
             s_base = scale_ptr + expert * stride_se + (cols // SCALE_N) * stride_sn
             scale = tl.load(s_base, mask=col_ok, other=0.0)
@@ -210,7 +254,7 @@ def block_sizes(num_tokens: int, num_experts: int, dtype: torch.dtype) -> tuple[
 def _product(
     out: torch.Tensor,
     a: torch.Tensor,
-    weight: torch.Tensor | Mxfp4Stack | Fp8Stack,
+    weight: torch.Tensor | HeldStack,
     bias: torch.Tensor | None,
     groups: ExpertGroups,
     a_row_of_slot: int,
@@ -224,8 +268,11 @@ def _product(
     assert (a.stride(-1) == 1 or a.shape[-1] == 1) and (out.stride(-1) == 1 or out.shape[-1] == 1)
     _, n_cols, k_cols = weight.shape
     bias = None if bias is None else bias.contiguous()  # (an expert's bias read along a stride of 1)
-    scale_block = (1, 0)
-    if isinstance(weight, Mxfp4Stack):
+    scale_block, zeros, int_bits, group = (1, 0), None, 0, 1
+    if isinstance(weight, IntStack):
+        w, scales, zeros, int_bits, group = weight.codes, weight.scales, weight.zeros, weight.bits, weight.group
+        assert w.stride(-1) == 1 and zeros.stride() == scales.stride() and (int_bits == 8 or group % 2 == 0)
+    elif isinstance(weight, Mxfp4Stack):
         w, scales = weight.blocks.flatten(-2), weight.scales  # (bytes [experts, out, in / 2])
         assert w.stride(-1) == 1 and block_k % 32 == 0
     elif isinstance(weight, Fp8Stack):
@@ -238,13 +285,15 @@ def _product(
     scale_strides = (scales.stride(0), scales.stride(1), scales.stride(2)) if scales is not w else (0, 0, 0)
     grid = (groups.block_experts.numel(), triton.cdiv(n_cols, block_n))
     _expert_product_kernel[grid](
-        out, a, w, scales, w if bias is None else bias, out if routing is None else routing,
+        out, a, w, scales, w if zeros is None else zeros, w if bias is None else bias,
+        out if routing is None else routing,
         groups.sorted_slots, groups.block_experts, groups.num_rows,
         n_cols, k_cols, groups.num_slots, a_row_of_slot,
         a.stride(0), w.stride(0), w.stride(1), w.stride(2), *scale_strides, 0 if bias is None else bias.stride(0),
         out.stride(0),
         HAS_BIAS=bias is not None, ROUTED=routing is not None, MXFP4=isinstance(weight, Mxfp4Stack),
-        FP8=isinstance(weight, Fp8Stack), SCALE_N=scale_block[0], SCALE_K=scale_block[1],
+        FP8=isinstance(weight, Fp8Stack), SCALE_N=scale_block[0], SCALE_K=scale_block[1], INT_BITS=int_bits,
+        GROUP=group,
         PRECISION="ieee" if a.dtype == torch.float32 else None,
         BLOCK_M=groups.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )  # fmt: skip
@@ -254,16 +303,16 @@ def expert_products(
     x: torch.Tensor,
     experts: torch.Tensor,
     weights: torch.Tensor,
-    gate_up: torch.Tensor | Mxfp4Stack | Fp8Stack,
-    down: torch.Tensor | Mxfp4Stack | Fp8Stack,
+    gate_up: torch.Tensor | HeldStack,
+    down: torch.Tensor | HeldStack,
     activate: Callable[[torch.Tensor], torch.Tensor],
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The experts' weighted sum for each row of ``x`` [tokens, hidden]: ``experts`` [tokens, top_k] chosen with
     ``weights`` (in ``x``'s type, or fp32: GLM-4.5's), ``gate_up`` [experts, 2 * inter, hidden] and ``down``
-    [experts, hidden, inter] (each in ``x``'s type, MXFP4 or FP8; with their biases [experts, out] or None),
-    ``activate`` the gated activation of [rows, 2 * inter] rows."""
+    [experts, hidden, inter] (each in ``x``'s type, MXFP4, FP8 or in 4 or 8 bits; with their biases [experts, out]
+    or None), ``activate`` the gated activation of [rows, 2 * inter] rows."""
     tokens, hidden = x.shape
     top_k = experts.shape[1]
     num_experts = gate_up.shape[0]
@@ -280,40 +329,28 @@ def expert_products(
     return out.view(tokens, top_k, hidden).sum(dim=1)
 
 
-def block_fp8_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    scales: torch.Tensor,
-    block: tuple[int, int],
-    bias: torch.Tensor | None = None,
-    kernel: bool = True,
+def held_linear(
+    x: torch.Tensor, matrix: Fp8Stack | IntStack, bias: torch.Tensor | None = None, kernel: bool = True
 ) -> torch.Tensor:
-    """``x @ W.T + bias`` for ``W`` an FP8 checkpoint's matrix as it stores it: ``weight`` [out, in] e4m3 and
-    ``scales`` [out / block[0], in / block[1]] fp32, ``W = weight * scale`` of its block. ``kernel``: one launch of
-    the experts' kernel over one expert (each tile widened to ``x``'s type exactly, its product scaled as it sums,
-    the bias added before the one rounding, as ``nn.Linear`` rounds); else (the PyTorch path, or a device
-    without Triton) ``W`` dequantized into ``x``'s type for the product."""
+    """``x @ W.T + bias`` for ``W`` a quantized checkpoint's matrix held as stored, a stack of one (an FP8
+    checkpoint's e4m3 with a scale a block; a GPTQ or AWQ checkpoint's codes). ``kernel``: one launch of the experts'
+    kernel over one expert that every row chose (each tile made in the input's type in registers, the bias added
+    before the one rounding, as ``nn.Linear`` rounds); else (the PyTorch path, or a device without Triton) ``W``
+    dequantized into ``x``'s type for the product."""
     shape = x.shape
+    n = matrix.shape[1]
     rows = x.reshape(-1, shape[-1])
-    stack = Fp8Stack(weight.unsqueeze(0), scales.unsqueeze(0), block)
     if not kernel or triton is None:
-        return F.linear(rows, stack.dequantized(0, x.dtype), bias).view(*shape[:-1], weight.shape[0])
-    out = torch.empty(rows.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+        return F.linear(rows, matrix.dequantized(0, x.dtype), bias).view(*shape[:-1], n)
+    out = torch.empty(rows.shape[0], n, dtype=x.dtype, device=x.device)
     if rows.shape[0] == 0:
-        return out.view(*shape[:-1], weight.shape[0])
+        return out.view(*shape[:-1], n)
     # (A decode's few rows in blocks of 16, most of a block of 64 would be padding; untuned, as block_sizes.)
     block_m, block_n, block_k = (16, 64, 64) if rows.shape[0] <= 32 else (64, 64, 64)
     block_k = block_k // 2 if x.dtype == torch.float32 else block_k
     groups = one_expert(rows.shape[0], block_m, x.device)
     _product(
-        out,
-        rows if rows.stride(-1) == 1 else rows.contiguous(),
-        stack,
-        None if bias is None else bias.unsqueeze(0),
-        groups,
-        1,
-        None,
-        block_n,
-        block_k,
-    )
-    return out.view(*shape[:-1], weight.shape[0])
+        out, rows if rows.stride(-1) == 1 else rows.contiguous(), matrix, None if bias is None else bias.unsqueeze(0),
+        groups, 1, None, block_n, block_k,
+    )  # fmt: skip
+    return out.view(*shape[:-1], n)

@@ -30,8 +30,8 @@ from boundless.kv.tensors import PagedKVCache
 from boundless.model import cpu_kernels
 from boundless.model.arch import ModelArch
 from boundless.model.fp8_linear import FP8, Fp8Stack, fp8_linear, quantizable, quantize_rows
-from boundless.model.fused_moe import block_fp8_linear
-from boundless.model.int_linear import IntMatrix, int_linear
+from boundless.model.fused_moe import held_linear
+from boundless.model.int_stack import IntStack
 from boundless.model.lora import DOWN, GATE_UP, O_PROJ, QKV, LoRABatch
 from boundless.model.moe import SparseMoE
 from boundless.model.rope import RotaryEmbedding, apply_rotary_, interleaved_to_halves
@@ -297,7 +297,7 @@ class DecoderLayer(nn.Module):
     def hold_fp8(self, block: tuple[int, int] | None) -> None:
         """Hold the layer's dense matrices as an FP8 checkpoint stores them: e4m3 weights, and a scale per output row
         (``block`` None: per tensor or per channel in the checkpoint, the product :func:`fp8_linear`'s) or one a
-        ``block`` (rows, inputs) (Qwen3's 128 x 128: :func:`block_fp8_linear`'s). Made on the meta device, before
+        ``block`` (rows, inputs) (Qwen3's 128 x 128: :func:`held_linear`'s). Made on the meta device, before
         the weights are allocated and loaded: half a 16-bit model's bytes."""
         for name in self.dense_matrices():
             weight = getattr(self, f"{name}_weight")
@@ -312,7 +312,7 @@ class DecoderLayer(nn.Module):
     def hold_int(self, bits: int, group_size: int) -> None:
         """Hold the layer's dense matrices as a GPTQ or AWQ checkpoint packs them, in ``bits`` (4 or 8) a weight with
         a scale and a zero point a group of ``group_size`` inputs (-1: all of a matrix's), as
-        :class:`~boundless.model.int_linear.IntMatrix` lays them out: a quarter (an eighth of fp32's) of a 16-bit
+        :class:`~boundless.model.int_stack.IntStack` lays them out: a quarter (an eighth of fp32's) of a 16-bit
         model's bytes in 4 bits. Made on the meta device, before the weights are allocated and loaded."""
         for name in self.dense_matrices():
             weight = getattr(self, f"{name}_weight")
@@ -327,13 +327,16 @@ class DecoderLayer(nn.Module):
             self.register_parameter(f"{name}_zero", nn.Parameter(zeros, requires_grad=False))
         self.int_form, self.held_as_stored = (bits, group_size), True
 
-    def int_matrix(self, name: str) -> IntMatrix:
-        """The matrix ``name`` held in its bits (:meth:`hold_int`)."""
-        assert self.int_form is not None
+    def held_stack(self, name: str) -> Fp8Stack | IntStack:
+        """The matrix ``name`` held as a quantized checkpoint stores it, in FP8 blocks (:meth:`hold_fp8`) or in its
+        bits (:meth:`hold_int`), as a stack of one (the experts' kernel's operand)."""
+        weight, scale = getattr(self, f"{name}_weight"), getattr(self, f"{name}_scale")
+        if self.int_form is None:
+            assert self.fp8_block is not None
+            return Fp8Stack(weight[None], scale[None], self.fp8_block)
         bits, group_size = self.int_form
-        codes = getattr(self, f"{name}_weight")
-        group = codes.shape[1] * 8 // bits if group_size == -1 else group_size
-        return IntMatrix(codes, getattr(self, f"{name}_scale"), getattr(self, f"{name}_zero"), bits, group)
+        group = weight.shape[1] * 8 // bits if group_size == -1 else group_size
+        return IntStack(weight[None], scale[None], getattr(self, f"{name}_zero")[None], bits, group)
 
     def quantize_fp8(self) -> None:
         """The layer's dense matrices (attention's, and the MLP's unless it has experts) to e4m3 with a scale per
@@ -361,12 +364,8 @@ class DecoderLayer(nn.Module):
         for name in ("qkv", "o", "gate_up", "down"):
             weight, scale = getattr(self, f"{name}_weight"), getattr(self, f"{name}_scale")
             if scale is not None and name not in self.widened:
-                if self.int_form is not None:  # (held in its bits: dequantized, its product not scaled)
-                    widened = self.int_matrix(name).dequantized(torch.float32)
-                elif self.fp8_block is not None:  # (a scale a block: the weight dequantized, its product not scaled)
-                    widened = Fp8Stack(weight.detach()[None], scale.detach()[None], self.fp8_block).dequantized(
-                        0, torch.float32
-                    )
+                if self.int_form is not None or self.fp8_block is not None:  # (dequantized: its product not scaled)
+                    widened = self.held_stack(name).dequantized(0, torch.float32)
                 else:
                     widened = weight.detach().float()
                 self.widened[name] = cpu_kernels.PackedWeight(widened)
@@ -381,8 +380,8 @@ class DecoderLayer(nn.Module):
         self, name: str, x: torch.Tensor, bias: torch.Tensor | None = None, kernel: bool = False
     ) -> torch.Tensor:
         """``x`` times the matrix ``name`` (qkv, o, gate_up or down), with its bias (q/k/v's, or ``bias`` given): the
-        PyTorch path's products (``kernel``: the GPU path's, whose matrices held in FP8 blocks take the Triton
-        kernel)."""
+        PyTorch path's products (``kernel``: the GPU path's, whose matrices held as a checkpoint stores them take the
+        Triton kernel)."""
         bias = self.qkv_bias if name == "qkv" else bias
         weight, scale, widened = getattr(self, f"{name}_weight"), getattr(self, f"{name}_scale"), self.widened.get(name)
         if self.int_form is not None or self.fp8_block is not None:  # (held in a form only its kernel reads)
@@ -390,9 +389,7 @@ class DecoderLayer(nn.Module):
                 out = widened.matmul(x.reshape(-1, x.shape[-1]).float())
                 out = out if bias is None else out.add_(bias)
                 return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
-            if self.fp8_block is not None:
-                return block_fp8_linear(x, weight, scale, self.fp8_block, bias, kernel)
-            return int_linear(x, self.int_matrix(name), bias, kernel)
+            return held_linear(x, self.held_stack(name), bias, kernel)
         return linear(x, weight, bias, scale, widened)
 
     def activate(self, gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -913,15 +910,20 @@ class LlamaModel(nn.Module):
 
     # -- weights -----------------------------------------------------------------------------
 
-    def hold_quantized_experts(self, form: str, block: tuple[int, int] | None = None) -> None:
+    def hold_quantized_experts(
+        self, form: str, block: tuple[int, int] | None = None, int_form: tuple[int, int] | None = None
+    ) -> None:
         """Every sparse layer's experts held as a quantized checkpoint stores them, before its tensors load: ``mxfp4``
-        blocks and scales (``SparseMoE.hold_mxfp4``) or ``fp8`` weights with a scale a ``block``
-        (``SparseMoE.hold_fp8``)."""
+        blocks and scales (``SparseMoE.hold_mxfp4``), ``fp8`` weights with a scale a ``block``
+        (``SparseMoE.hold_fp8``), or ``int`` codes of ``int_form`` (bits, group size: ``SparseMoE.hold_int``)."""
         for layer in self.layers:
             if layer.moe is None:
                 continue
             if form == "mxfp4":
                 layer.moe.hold_mxfp4()
+            elif form == "int":
+                assert int_form is not None
+                layer.moe.hold_int(*int_form)
             else:
                 assert form == "fp8" and block is not None
                 layer.moe.hold_fp8(block)
@@ -1001,7 +1003,7 @@ class LlamaModel(nn.Module):
         it): an expert's of experts held in FP8 (:meth:`hold_quantized_experts`), or a dense matrix's of a layer that
         holds them so (:meth:`hold_fp8`); the rest load dequantized."""
         if (experts := self._in_experts(name)) is not None:
-            return experts[1].held == "fp8" and ".experts." in name  # (a shared expert's are dense: dequantized)
+            return experts[1].held in ("fp8", "int") and ".experts." in name  # (a shared expert's: dequantized)
         layer = self._layer_of(name)
         parts = name.split(".")
         return layer is not None and layer.held_as_stored and len(parts) == 6 and parts[3] in ("self_attn", "mlp")

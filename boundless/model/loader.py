@@ -150,9 +150,12 @@ def _gguf_weights(weights: Iterator[tuple[str, torch.Tensor]], path: Path) -> It
 
 def quantized_experts_form(quantized: object, arch: ModelArch) -> str | None:
     """How a checkpoint's experts can be held as it stores them: ``mxfp4`` (gpt-oss's blocks and scales), ``fp8``
-    (e4m3 weights in blocks that tile every expert matrix: Qwen3-MoE's FP8 checkpoints), else None."""
+    (e4m3 weights in blocks that tile every expert matrix: Qwen3-MoE's FP8 checkpoints), ``int`` (GPTQ's and AWQ's 4
+    or 8 bits, groups by position: ``*-GPTQ-Int4``), else None."""
     if isinstance(quantized, Mxfp4Checkpoint):
         return "mxfp4"
+    if isinstance(quantized, PackedIntCheckpoint):
+        return "int" if arch.num_experts and quantized.holds([arch.hidden_size, arch.moe_intermediate_size]) else None
     # (quant_method fp8's one block for every weight: compressed-tensors' groups may give the experts another.)
     if not isinstance(quantized, QuantizedCheckpoint) or quantized.method != "fp8" or quantized.block is None:
         return None
@@ -192,9 +195,10 @@ def holds_quantized_dense(
 ) -> bool:
     """Whether a quantized checkpoint's dense matrices are held as it stores them (``load_model``'s
     ``quantized_dense``; ``form``: :func:`quantized_dense_form`'s): as ``asked``, or by default on a GPU, on one rank,
-    where their products run: GPTQ's and AWQ's in the Triton kernel (``int_linear``); an FP8 checkpoint's on a GPU with
-    FP8 (sm_89 or later: Ada, Hopper), scales a block in the Triton kernel, scales per row in ``_scaled_mm``, which
-    writes bfloat16 only. Asked of a checkpoint whose matrices cannot be, or over ranks, it is refused."""
+    where their products run: GPTQ's and AWQ's in the Triton kernel (``fused_moe.held_linear``); an FP8 checkpoint's
+    on a GPU with FP8 (sm_89 or later: Ada, Hopper), scales a block in the Triton kernel, scales per row in
+    ``_scaled_mm``, which writes bfloat16 only. Asked of a checkpoint whose matrices cannot be, or over ranks, it is
+    refused."""
     if asked is None:
         if form is None or device.type != "cuda" or ranks > 1:
             return False
@@ -229,8 +233,8 @@ def holds_quantized_experts(asked: bool | None, form: str | None, device: torch.
         return form is not None and device.type == "cuda" and ranks == 1 and triton
     if asked and form is None:
         raise ConfigError(
-            "a checkpoint's experts are held as stored only from an MXFP4 checkpoint (gpt-oss's) or an FP8 one whose "
-            "blocks tile the experts"
+            "a checkpoint's experts are held as stored only from an MXFP4 checkpoint (gpt-oss's), an FP8 one whose "
+            "blocks tile the experts, or a GPTQ or AWQ one of 4 or 8 bits with groups by position"
         )
     if asked and ranks > 1:
         raise ConfigError("experts held quantized are not split over tensor-parallel ranks (they load dequantized)")
@@ -527,9 +531,11 @@ def load_model(
     model = model.to(torch_dtype)
     if held_form is not None:
         assert quantized is not None  # (a form is a quantized checkpoint's)
-        model.hold_quantized_experts(held_form, getattr(quantized, "block", None))
-    if isinstance(quantized, PackedIntCheckpoint) and dense_form is not None:
-        model.hold_int(quantized.bits, quantized.group_size)
+        int_form = (quantized.bits, quantized.group_size) if isinstance(quantized, PackedIntCheckpoint) else None
+        model.hold_quantized_experts(held_form, getattr(quantized, "block", None), int_form)
+    if isinstance(quantized, PackedIntCheckpoint) and (dense_form is not None or held_form == "int"):
+        if dense_form is not None:
+            model.hold_int(quantized.bits, quantized.group_size)
         tensors = quantized.dequantized(tensors, keep=model.holds_as_stored)
     elif dense_form is not None:
         assert isinstance(quantized, QuantizedCheckpoint)

@@ -29,6 +29,7 @@ from torch import nn
 
 from boundless.model.arch import ModelArch
 from boundless.model.fp8_linear import FP8, Fp8Stack, quantize_stack
+from boundless.model.int_stack import IntStack
 from boundless.model.mxfp4 import Mxfp4Stack
 
 if TYPE_CHECKING:
@@ -97,9 +98,11 @@ class SparseMoE(nn.Module):
         self.down = nn.Parameter(torch.empty(experts, hidden, inter))
         # How the two stacks are held, if not in the model's type: "mxfp4" (gpt-oss's, as its checkpoints hold them:
         # hold_mxfp4; parameters gate_up_blocks, gate_up_scales, down_blocks and down_scales in their place) or "fp8"
-        # (--quantization fp8: quantize_fp8; gate_up and down in e4m3, gate_up_scale and down_scale beside them).
+        # (--quantization fp8: quantize_fp8; gate_up and down in e4m3, gate_up_scale and down_scale beside them) or
+        # "int" (a GPTQ or AWQ checkpoint's: hold_int; gate_up and down their codes, with _scale and _zero).
         self.held: str | None = None
         self.fp8_block = (1, 0)  # held in fp8: the block a scale covers (rows, inputs; 0 inputs: the whole row)
+        self.int_form = (4, -1)  # held as GPTQ or AWQ pack them ("int": hold_int): (bits, group size, -1: a row)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> SparseMoE:
         # (GLM-4.5's router and its correction stay in fp32 whatever the model's type, as transformers and vLLM hold
@@ -205,6 +208,26 @@ class SparseMoE(nn.Module):
             self.register_parameter(f"{name}_scale", nn.Parameter(scales, requires_grad=False))
         self.held, self.fp8_block = "fp8", block
 
+    def hold_int(self, bits: int, group_size: int) -> None:
+        """Hold the experts' two stacks as a GPTQ or AWQ checkpoint packs them (Qwen3-MoE's ``*-GPTQ-Int4``), in
+        ``bits`` (4 or 8) a weight with a scale and a zero point a group of ``group_size`` inputs (-1: a matrix's
+        all), as :class:`~boundless.model.int_stack.IntStack` lays them out (``gate_up``/``down`` their codes,
+        ``_scale`` and ``_zero`` beside them; gate's and up's rows stacked): a quarter of a 16-bit model's bytes in 4
+        bits, read by the GPU path's kernels as they are. Made on the meta device, before the weights are allocated
+        and loaded."""
+        if self.held is not None:
+            raise ValueError(f"the experts are held in {self.held} already")
+        for name in ("gate_up", "down"):
+            weight = getattr(self, name)
+            experts, out, inputs = weight.shape
+            groups = 1 if group_size == -1 else inputs // group_size
+            codes = torch.empty(experts, out, inputs * bits // 8, dtype=torch.uint8, device=weight.device)
+            setattr(self, name, nn.Parameter(codes, requires_grad=False))
+            for part, dtype in (("scale", torch.float32), ("zero", torch.uint8)):
+                held = torch.empty(experts, out, groups, dtype=dtype, device=weight.device)
+                self.register_parameter(f"{name}_{part}", nn.Parameter(held, requires_grad=False))
+        self.held, self.int_form = "int", (bits, group_size)
+
     def quantize_fp8(self) -> None:
         """``--quantization fp8``: the two stacks in e4m3 with a scale per expert's output row (vLLM's FP8 mixture
         holds them so too), half a 16-bit model's bytes, read by the GPU path's kernels as they are; dequantized an
@@ -217,13 +240,17 @@ class SparseMoE(nn.Module):
             self.register_parameter(f"{name}_scale", nn.Parameter(stack.scales, requires_grad=False))
         self.held = "fp8"
 
-    def stack(self, name: str) -> torch.Tensor | Mxfp4Stack | Fp8Stack:
+    def stack(self, name: str) -> torch.Tensor | Mxfp4Stack | Fp8Stack | IntStack:
         """The stack ``name`` (``gate_up`` or ``down``) as held (:attr:`held`). (Looked up each time: moving the
         module, as ``to_empty`` does, replaces its parameters.)"""
         if self.held == "mxfp4":
             return Mxfp4Stack(getattr(self, f"{name}_blocks"), getattr(self, f"{name}_scales"))
         if self.held == "fp8":
             return Fp8Stack(getattr(self, name), getattr(self, f"{name}_scale"), self.fp8_block)
+        if self.held == "int":
+            codes, (bits, group_size) = getattr(self, name), self.int_form
+            group = codes.shape[2] * 8 // bits if group_size == -1 else group_size
+            return IntStack(codes, getattr(self, f"{name}_scale"), getattr(self, f"{name}_zero"), bits, group)
         return getattr(self, name)
 
     def expert(self, index: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -359,15 +386,17 @@ class SparseMoE(nn.Module):
             return self.gate_up, None
         if parts[1:] == ["down_proj"]:
             return self.down, None
-        scale = self.held == "fp8" and parts[3:] == ["weight_scale"]  # (an FP8 checkpoint's, held as stored)
-        if len(parts) != 4 or not parts[1].isdigit() or not (parts[3] == "weight" or scale):
+        # (An FP8 checkpoint's scales, a GPTQ or AWQ checkpoint's scales and zero points, held as stored.)
+        held_leaves = {"fp8": ("weight_scale",), "int": ("weight_scale", "weight_zero")}.get(self.held or "", ())
+        if len(parts) != 4 or not parts[1].isdigit() or not (parts[3] == "weight" or parts[3] in held_leaves):
             return None
         expert = int(parts[1])
         if expert >= self.router.shape[0]:
             return None
         names = self.names
-        inter = self.inter // self.fp8_block[0] if scale else self.inter  # (a scale's rows: one a block of rows)
-        suffix = "_scale" if scale else ""
+        suffix = parts[3].removeprefix("weight")
+        # (An FP8 scale's rows: one a block of rows.)
+        inter = self.inter // self.fp8_block[0] if suffix and self.held == "fp8" else self.inter
         gate_up, down = (getattr(self, f"{stack}{suffix}") for stack in ("gate_up", "down"))
         rows = {names["gate"]: (0, inter), names["up"]: (inter, inter)}.get(parts[2])
         if rows is not None:
@@ -412,7 +441,10 @@ class SparseMoE(nn.Module):
             names.append("gate.e_score_correction_bias")
         if self.shared_gate_up is not None:
             names += [f"shared_experts.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")]
-        leaves = ("weight", "weight_scale") if self.held == "fp8" else ("weight",)  # (held as an FP8 checkpoint stores)
+        # (Held as an FP8, GPTQ or AWQ checkpoint stores them: their scales and zero points too.)
+        leaves = {"fp8": ("weight", "weight_scale"), "int": ("weight", "weight_scale", "weight_zero")}.get(
+            self.held or "", ("weight",)
+        )
         for e in range(self.router.shape[0]):
             names += [f"experts.{e}.{self.names[m]}.{leaf}" for m in ("gate", "up", "down") for leaf in leaves]
         return names

@@ -21,7 +21,7 @@ AutoGPTQ saves a bias beside every layer it packs, zeros where the model has non
 bias it has no place for. The layers come back in fp32 (the loader casts them to the model's type): the model then
 runs as the unquantized one would on these weights, holding them whole; or, the layers ``keep`` names (a model's
 dense matrices on a GPU: ``LlamaModel.hold_int``), in their 4 or 8 bits as
-:class:`~boundless.model.int_linear.IntMatrix` holds them (``held``). Checked against AutoAWQ's
+:class:`~boundless.model.int_stack.IntStack` holds them (``held``). Checked against AutoAWQ's
 ``dequantize_gemm`` and AutoGPTQ's CPU forward (``tests/model/test_packed_int.py``).
 """
 
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from boundless.config import ConfigError
-from boundless.model.int_linear import IntMatrix
+from boundless.model.int_stack import IntStack
 
 _PARTS = (".qweight", ".qzeros", ".scales", ".g_idx")
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the output each four bits of an AWQ int32 hold, by position
@@ -100,9 +100,9 @@ class PackedIntCheckpoint:
                 done.add(layer)
                 if keep is not None and keep(layer + ".weight"):
                     matrix = self.held(layer, parts)
-                    yield layer + ".weight", matrix.codes
-                    yield layer + ".weight_scale", matrix.scales
-                    yield layer + ".weight_zero", matrix.zeros
+                    yield layer + ".weight", matrix.codes[0]
+                    yield layer + ".weight_scale", matrix.scales[0]
+                    yield layer + ".weight_zero", matrix.zeros[0]
                 else:
                     yield layer + ".weight", self.weight(layer, parts)
         missing = {layer: sorted(needed - parts.keys()) for layer, parts in waiting.items()}
@@ -134,10 +134,10 @@ class PackedIntCheckpoint:
         size = self.group_size
         return self.bits in (4, 8) and not self.act_order and (size == -1 or all(n % size == 0 for n in inputs))
 
-    def held(self, layer: str, parts: Mapping[str, torch.Tensor]) -> IntMatrix:
+    def held(self, layer: str, parts: Mapping[str, torch.Tensor]) -> IntStack:
         """One layer held in its bits: codes ``[out, in * bits / 8]`` (GPTQ's int32s transposed are these bytes;
         AWQ's outputs are put in order and their inputs paired), its scales and zero points ``[out, groups]``; the
-        same weights :meth:`weight` makes (:meth:`IntMatrix.dequantized`)."""
+        same weights :meth:`weight` makes (:meth:`IntStack.dequantized`), as a stack of one."""
         scales = parts[".scales"]
         mask = (1 << self.bits) - 1
         if self.method == "awq":
@@ -156,9 +156,8 @@ class PackedIntCheckpoint:
         assert not self.act_order  # (held only with groups by position: holds)
         self._groups(layer, inputs, scales.shape[0], None)  # (the groups fall within the scales)
         group = inputs if self.group_size == -1 else self.group_size
-        return IntMatrix(
-            codes.contiguous(), scales.t().contiguous(), zeros.t().to(torch.uint8).contiguous(), self.bits, group
-        )
+        scales, zeros = scales.t().float().contiguous(), zeros.t().to(torch.uint8).contiguous()
+        return IntStack(codes.contiguous()[None], scales[None], zeros[None], self.bits, group)
 
     def _groups(self, layer: str, inputs: int, num_groups: int, g_idx: torch.Tensor | None) -> torch.Tensor:
         """Each input's group: g_idx's under act-order, else by position."""

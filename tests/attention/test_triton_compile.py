@@ -40,8 +40,8 @@ def test_kernels_compile_for_sm90() -> None:
         "fused_moe/fp8-bf16/decode",
         "fused_moe/fp8-blocks-bf16/dense-decode-bias",
         "fused_moe/fp8-blocks-bf16/dense-prefill",
-        "int_linear/int4-fp16/prefill-bias",
-        "int_linear/int8-fp16/decode",
+        "fused_moe/int4-fp16/dense-prefill-bias",
+        "fused_moe/int8-fp16/dense-decode",
     } <= shared.keys()
     assert {"attention/bf16/d128/prefill-window", "rms_norm-gemma/bf16"} <= shared.keys()
     assert "attention/bf16/d128/decode-split-window-softcap" in shared

@@ -227,7 +227,7 @@ def _block_fp8(out: int, inputs: int, block: tuple[int, int], g: torch.Generator
 def test_a_dense_fp8_matrix_in_blocks_gives_the_product_of_its_dequantized_weights(
     dtype: torch.dtype, rows: int
 ) -> None:
-    """An FP8 checkpoint's dense matrix held as stored (``block_fp8_linear``: the experts' kernel over one expert that
+    """An FP8 checkpoint's dense matrix held as stored (``held_linear``: the experts' kernel over one expert that
     every row chose) gives ``x @ W.T + bias`` of ``W`` dequantized (its scale a block of 16 rows by 32 inputs), the
     bias added before the one rounding; with any scale of one block changed it does not."""
     g = torch.Generator().manual_seed(rows)
@@ -237,16 +237,16 @@ def test_a_dense_fp8_matrix_in_blocks_gives_the_product_of_its_dequantized_weigh
     x = torch.randn(rows, 128, generator=g).to(DEVICE, dtype)
     dense = fused_moe.Fp8Stack(weight[None], scales[None], block).dequantized(0, torch.float32)
     want = (x.float() @ dense.t() + bias.float()).to(dtype)
-    got = fused_moe.block_fp8_linear(x, weight, scales, block, bias)
+    got = fused_moe.held_linear(x, fused_moe.Fp8Stack(weight[None], scales[None], block), bias)
     assert got.shape == (rows, 48) and got.dtype == dtype
     if rows == 0:
         return
     tolerance = TOLERANCE[dtype] * max(1.0, want.abs().max().item())
     torch.testing.assert_close(got, want, rtol=0, atol=tolerance)
-    torch.testing.assert_close(fused_moe.block_fp8_linear(x, weight, scales, block, bias, kernel=False), want,
-                               rtol=0, atol=tolerance)  # fmt: skip
+    dequantized = fused_moe.held_linear(x, fused_moe.Fp8Stack(weight[None], scales[None], block), bias, kernel=False)
+    torch.testing.assert_close(dequantized, want, rtol=0, atol=tolerance)
     scales[1, 2] *= 2  # (rows 16-31, inputs 64-95)
-    changed = fused_moe.block_fp8_linear(x, weight, scales, block, bias)
+    changed = fused_moe.held_linear(x, fused_moe.Fp8Stack(weight[None], scales[None], block), bias)
     assert not torch.allclose(changed[:, 16:32], want[:, 16:32], rtol=0, atol=tolerance)
     torch.testing.assert_close(changed[:, :16], want[:, :16], rtol=0, atol=tolerance)
 
@@ -259,7 +259,8 @@ def test_a_dense_fp8_product_reads_its_input_rows_by_their_stride() -> None:
     weight, scales = _block_fp8(32, 64, (16, 16), g)
     wide = torch.randn(37, 96, generator=g).to(DEVICE)
     x = wide[:, :64]
-    got = fused_moe.block_fp8_linear(x, weight, scales, (16, 16))
+    matrix = fused_moe.Fp8Stack(weight[None], scales[None], (16, 16))
+    got = fused_moe.held_linear(x, matrix)
     for r in (0, 17, 36):
-        alone = fused_moe.block_fp8_linear(x[r : r + 1].clone(), weight, scales, (16, 16))
+        alone = fused_moe.held_linear(x[r : r + 1].clone(), matrix)
         torch.testing.assert_close(got[r : r + 1], alone, rtol=1e-5, atol=1e-5)

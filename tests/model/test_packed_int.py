@@ -68,11 +68,17 @@ def _quantize(w: torch.Tensor, bits: int, group: int, g_idx: np.ndarray) -> tupl
 
 
 def _write(
-    root: Path, method: str, bits: int = 4, act_order: bool = False, v2: bool = False, head: bool = False
+    root: Path,
+    method: str,
+    bits: int = 4,
+    act_order: bool = False,
+    v2: bool = False,
+    head: bool = False,
+    spec: TinySpec | None = None,
 ) -> tuple[Path, Path]:
-    """A random model written twice: packed as ``method`` packs it (with ``head``, its LM head too, as GPTQModel may),
-    and its weights as the packed ones stand for them (fp32, no quantization_config)."""
-    source = write_random_model(root / "source", TinySpec(weight_std=0.3))
+    """A random model (``spec``'s) written twice: packed as ``method`` packs it (with ``head``, its LM head too, as
+    GPTQModel may), and its weights as the packed ones stand for them (fp32, no quantization_config)."""
+    source = write_random_model(root / "source", spec or TinySpec(weight_std=0.3))
     packed, reference = root / method, root / "reference"
     for d in (packed, reference):
         shutil.copytree(source, d, dirs_exist_ok=True)
@@ -188,7 +194,7 @@ def test_settings_in_the_file_older_releases_wrote_beside_config_json_are_read(t
         load_model(str(packed))
 
 
-# Held in their bits (``quantized_dense``: the default on a GPU with Triton, one rank): int_linear's products.
+# Held in their bits (``quantized_dense``: the default on a GPU with Triton, one rank): held_linear's products.
 TEST_DEVICE = os.environ.get("BOUNDLESS_TEST_DEVICE", "cpu")  # (conftest's)
 
 
@@ -227,7 +233,7 @@ def test_a_packed_checkpoints_matrices_are_held_in_their_bits(
             codes = getattr(layer, f"{name}_weight")
             assert codes.dtype == torch.uint8 and codes.shape == (weight.shape[0], weight.shape[1] * bits // 8)
             assert getattr(layer, f"{name}_scale").shape == (weight.shape[0], weight.shape[1] // 16)
-            dense = layer.int_matrix(name).dequantized(torch.float32)
+            dense = layer.held_stack(name).dequantized(0, torch.float32)
             assert torch.allclose(dense, weight, rtol=0, atol=1e-6), name
     if backend == "triton" and not triton_paged.available(held.device):
         pytest.skip("triton unavailable")
@@ -251,3 +257,28 @@ def test_act_order_and_2_bit_checkpoints_are_not_held_in_their_bits(tmp_path: Pa
     assert load_model(str(plain)).model.layers[0].int_form is None
     assert not PackedIntCheckpoint("gptq", 2, 16).holds([64]) and not PackedIntCheckpoint("gptq", 4, 48).holds([64])
     assert PackedIntCheckpoint("awq", 4, -1).holds([64, 96]) and PackedIntCheckpoint("gptq", 8, 32).holds([64, 96])
+
+
+@pytest.mark.parametrize(
+    "backend", ["auto", pytest.param("triton", marks=pytest.mark.slow if TEST_DEVICE == "cpu" else ())]
+)
+def test_a_packed_mixtures_experts_are_held_in_their_bits(tmp_path: Path, backend: str) -> None:
+    """A GPTQ Qwen3-MoE (``*-GPTQ-Int4``): its experts held in their bits too (``quantized_experts``: gate's and up's
+    codes, scales and zero points stacked a row each), dequantized the checkpoint's weights, and the engine gives the
+    dequantized checkpoint's tokens (the native path packs each expert dequantized; the fused kernels, its codes)."""
+    spec = TinySpec(kind="qwen3_moe", weight_std=0.3, seed=4)
+    packed, reference = _write(tmp_path, "gptq", spec=spec)
+    held = load_model(str(packed), device=TEST_DEVICE, quantized_experts=True, quantized_dense=True)
+    plain = load_model(str(reference), device=TEST_DEVICE)
+    moe, want = held.model.layers[0].moe, plain.model.layers[0].moe
+    assert moe is not None and want is not None and moe.held == "int"
+    assert moe.gate_up.dtype == torch.uint8 and moe.gate_up.shape == (8, 64, 64 // 2)
+    assert moe.down_scale.shape == (8, 64, 32 // 16)
+    for e in range(8):
+        gate_up, down = moe.expert(e, torch.float32)
+        assert torch.allclose(gate_up, want.gate_up[e], rtol=0, atol=1e-6)
+        assert torch.allclose(down, want.down[e], rtol=0, atol=1e-6)
+    assert held.model.layers[0].int_form == (4, 16)  # (the attention's matrices too)
+    if backend == "triton" and not triton_paged.available(held.device):
+        pytest.skip("triton unavailable")
+    assert _greedy(held, backend) == _greedy(plain, backend)
