@@ -1000,8 +1000,8 @@ class LlamaModel(nn.Module):
 
     def holds_as_stored(self, name: str) -> bool:
         """Whether the quantized checkpoint weight ``name`` loads as the checkpoint stores it (with its scale beside
-        it): an expert's of experts held in FP8 (:meth:`hold_quantized_experts`), or a dense matrix's of a layer that
-        holds them so (:meth:`hold_fp8`); the rest load dequantized."""
+        it): an expert's of experts held in FP8 or in their bits (:meth:`hold_quantized_experts`), or a dense
+        matrix's of a layer that holds them so (:meth:`hold_fp8`, :meth:`hold_int`); the rest load dequantized."""
         if (experts := self._in_experts(name)) is not None:
             return experts[1].held in ("fp8", "int") and ".experts." in name  # (a shared expert's: dequantized)
         layer = self._layer_of(name)

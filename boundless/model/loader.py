@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import importlib.util
 import json
@@ -462,9 +463,9 @@ def load_model(
     model's. ``quantized_experts``: hold a quantized checkpoint's experts as it stores them, gpt-oss's MXFP4 blocks
     and scales or an FP8 checkpoint's e4m3 blocks (``SparseMoE.hold_mxfp4``, ``hold_fp8``), rather than dequantized;
     None: where the GPU path's kernels read them (on CUDA, with Triton, one rank; ``load_configured_model`` asks
-    False under ``--attention-backend torch``). ``quantized_dense``: hold an FP8 checkpoint's dense matrices as it
-    stores them (``LlamaModel.hold_fp8``: :func:`quantized_dense_form`), rather than dequantized; None: on a GPU with
-    FP8, one rank (:func:`holds_quantized_dense`)."""
+    False under ``--attention-backend torch``). ``quantized_dense``: hold a quantized checkpoint's dense matrices
+    as it stores them (``LlamaModel.hold_fp8``, ``hold_int``: :func:`quantized_dense_form`), rather than dequantized;
+    None: where their products run, on one rank (:func:`holds_quantized_dense`)."""
     path = resolve_model_path(name)
     check_overrides(path, hf_overrides)
     dev = torch.device(device)
@@ -547,6 +548,7 @@ def load_model(
         check_fits(model, torch.cuda.mem_get_info(dev)[0], str(dev))
     model = model.to_empty(device=dev)  # allocated once, in the target dtype
     model.whole_arch, model.tensor_parallel = full_arch, tensor_parallel
+    mismatch = None
     try:
         model.load_weights(tensors)
     except HeldWeightMismatch as e:
@@ -554,10 +556,13 @@ def load_model(
         # holding was asked for or the weights were given, which cannot be read twice.)
         if quantized_dense is not None or quantized_experts is not None or weights is not None:
             raise ConfigError(f"--model {path}: {e}") from None
-        log.warning("--model %s: %s; loading it dequantized", path, e)
+        mismatch = str(e)  # (the reload comes after this block: the traceback holds the first model's frames)
+    if mismatch is not None:
+        log.warning("--model %s: %s; loading it dequantized", path, mismatch)
         del model, tensors
+        gc.collect()
         if dev.type == "cuda":
-            torch.cuda.empty_cache()
+            torch.cuda.empty_cache()  # (the held model's memory goes before the dequantized one's is measured)
         return load_model(
             name, dtype, device, hf_overrides=hf_overrides, quantization=quantization,
             tensor_parallel=tensor_parallel, quantized_experts=False, quantized_dense=False,

@@ -130,9 +130,12 @@ class PackedIntCheckpoint:
 
     def holds(self, inputs: list[int]) -> bool:
         """Whether matrices of these input widths can be held in their bits (:meth:`held`): 4 or 8 bits, groups by
-        position (not act-order's), each width a whole number of groups."""
+        position (not act-order's), each width a whole number of groups; in 4 bits groups of an even size (a byte's
+        two inputs in one group: the kernel reads one scale a byte)."""
         size = self.group_size
-        return self.bits in (4, 8) and not self.act_order and (size == -1 or all(n % size == 0 for n in inputs))
+        if self.bits not in (4, 8) or self.act_order or (self.bits == 4 and size != -1 and size % 2):
+            return False
+        return size == -1 or all(n % size == 0 for n in inputs)
 
     def held(self, layer: str, parts: Mapping[str, torch.Tensor]) -> IntStack:
         """One layer held in its bits: codes ``[out, in * bits / 8]`` (GPTQ's int32s transposed are these bytes;
@@ -175,7 +178,7 @@ class PackedIntCheckpoint:
 def _unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """The ``32 / bits`` values each int32 of ``packed`` holds, the first in the lowest bits, laid out along ``dim``
     (0: an int32 holds consecutive rows; 1: consecutive columns), as int32."""
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
     packed = packed.to(torch.int32)
     if dim == 0:
         values = (packed.unsqueeze(1) >> shifts.view(1, -1, 1)) & ((1 << bits) - 1)

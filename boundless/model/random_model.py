@@ -319,6 +319,7 @@ def random_weights(spec: TinySpec, device: str | torch.device = "cpu") -> Iterat
     in fp32, then cast to ``spec.dtype``); with ``spec.fp8_block``, each layer's projections as an FP8 checkpoint
     stores them (:func:`fp8_blocks`)."""
     weights = _drawn_weights(spec, device)
+    assert spec.fp8_block is None or spec.gptq_group is None, "one quantization at a time"
     if spec.fp8_block is None and spec.gptq_group is None:
         yield from weights
         return

@@ -257,6 +257,26 @@ def test_act_order_and_2_bit_checkpoints_are_not_held_in_their_bits(tmp_path: Pa
     assert load_model(str(plain)).model.layers[0].int_form is None
     assert not PackedIntCheckpoint("gptq", 2, 16).holds([64]) and not PackedIntCheckpoint("gptq", 4, 48).holds([64])
     assert PackedIntCheckpoint("awq", 4, -1).holds([64, 96]) and PackedIntCheckpoint("gptq", 8, 32).holds([64, 96])
+    # (In 4 bits a byte's two inputs read one group's scale: groups of an odd size are not held.)
+    assert not PackedIntCheckpoint("gptq", 4, 3).holds([96]) and PackedIntCheckpoint("gptq", 8, 3).holds([96])
+
+
+def test_a_layer_is_held_on_the_device_its_parts_come_on() -> None:
+    """Weights drawn on a GPU (``bench gpu``'s) are unpacked there: no table of shifts left on the CPU (the meta
+    device stands in for CUDA)."""
+    parts = {
+        ".qweight": torch.empty(8, 64, dtype=torch.int32, device="meta"),
+        ".qzeros": torch.empty(4, 8, dtype=torch.int32, device="meta"),
+        ".scales": torch.empty(4, 64, dtype=torch.float16, device="meta"),
+    }
+    for method in ("gptq", "awq"):
+        layer = (
+            dict(parts)
+            if method == "gptq"
+            else {**parts, ".qweight": torch.empty(64, 8, dtype=torch.int32, device="meta")}
+        )
+        held = PackedIntCheckpoint(method, 4, 16).held("w", layer)
+        assert held.codes.device.type == "meta" and held.shape == (1, 64, 64)
 
 
 @pytest.mark.parametrize(
