@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from boundless.model.arch import ModelArch
-from boundless.model.fp8_linear import FP8, Fp8Stack, quantize_stack
+from boundless.model.fp8_linear import FP8, Fp8Stack, fp8_linear, quantizable, quantize_rows, quantize_stack
 from boundless.model.int_stack import IntStack
 from boundless.model.mxfp4 import Mxfp4Stack
 
@@ -90,6 +90,9 @@ class SparseMoE(nn.Module):
         self.shared_gate_up = nn.Parameter(torch.empty(2 * shared, hidden)) if shared else None
         self.shared_down = nn.Parameter(torch.empty(hidden, shared)) if shared else None
         self.packed_shared: tuple[PackedWeight, PackedWeight] | None = None
+        # --quantization fp8: the shared experts' matrices in e4m3, a scale per output row [1, out] (quantize_fp8).
+        self.shared_gate_up_scale: torch.Tensor | None = None
+        self.shared_down_scale: torch.Tensor | None = None
         # On the CPU in fp32 (LlamaModel.prepare): the router packed for the native kernel, whose product gives a row
         # the same logits whatever rows share its step (PyTorch's CPU product sums a lone row otherwise: its experts'
         # weights, and even its experts, changed with the batch).
@@ -162,13 +165,26 @@ class SparseMoE(nn.Module):
         packed = self.packed_shared
         if packed is not None and not fused and x.device.type == "cpu" and x.dtype == torch.float32:
             return packed[1].matmul(packed[0].matmul(x.contiguous()))
-        gate_up = F.linear(x, self.shared_gate_up)
+        gate_up = self._shared_product(x, self.shared_gate_up, self.shared_gate_up_scale)
         if fused:
             from boundless.model import triton_ops
 
-            return F.linear(triton_ops.silu_mul(gate_up), self.shared_down)
+            return self._shared_product(triton_ops.silu_mul(gate_up), self.shared_down, self.shared_down_scale)
         gate, up = gate_up.chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.shared_down)
+        return self._shared_product(F.silu(gate) * up, self.shared_down, self.shared_down_scale)
+
+    @staticmethod
+    def _shared_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        """``x`` times a shared expert's matrix: in e4m3 with its scale per row (``fp8_linear``), or as it is."""
+        return F.linear(x, weight) if scale is None else fp8_linear(x, weight, scale, None)
+
+    def shared_matrices(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The shared experts' gate/up and down in ``dtype`` (dequantized when in e4m3), or None without them."""
+        if self.shared_gate_up is None or self.shared_down is None:
+            return None
+        pairs = ((self.shared_gate_up, self.shared_gate_up_scale), (self.shared_down, self.shared_down_scale))
+        gate_up, down = (w.to(dtype) if s is None else (w.float() * s.t()).to(dtype) for w, s in pairs)
+        return gate_up, down
 
     def hold_mxfp4(self) -> None:
         """Hold the experts' two stacks as MXFP4 blocks and scales (uint8 ``[experts, out, in / 32, 16]`` and
@@ -231,7 +247,15 @@ class SparseMoE(nn.Module):
     def quantize_fp8(self) -> None:
         """``--quantization fp8``: the two stacks in e4m3 with a scale per expert's output row (vLLM's FP8 mixture
         holds them so too), half a 16-bit model's bytes, read by the GPU path's kernels as they are; dequantized an
-        expert at a time on the others. Experts held in MXFP4 stay so (a smaller form)."""
+        expert at a time on the others. Experts held in MXFP4 (or otherwise as stored) stay so. The shared experts'
+        matrices too (GLM-4.5's: ~4 GB of its 16-bit bytes), as a dense layer's are, where ``_scaled_mm`` takes
+        them."""
+        for name in ("shared_gate_up", "shared_down"):
+            weight = getattr(self, name)
+            if weight is not None and weight.dtype != FP8 and quantizable(weight):
+                q, scale = quantize_rows(weight.data)
+                setattr(self, name, nn.Parameter(q, requires_grad=False))
+                setattr(self, f"{name}_scale", scale)
         if self.held is not None:
             return
         for name in ("gate_up", "down"):
@@ -302,8 +326,8 @@ class SparseMoE(nn.Module):
             return PackedWeight(weight, bias, glu=glu, storage=None if storage is None else storage(weight, glu))
 
         self.packed_router = PackedWeight(self.router, self.router_bias)
-        if self.shared_gate_up is not None and self.shared_down is not None:
-            self.packed_shared = (packed(self.shared_gate_up, None, True), packed(self.shared_down, None))
+        if (shared := self.shared_matrices(torch.float32)) is not None:  # (the native kernels take fp32)
+            self.packed_shared = (packed(shared[0], None, True), packed(shared[1], None))
         gate_up_bias, down_bias = self.gate_up_bias, self.down_bias
         packed_experts = []
         for e in range(self.router.shape[0]):

@@ -135,6 +135,38 @@ def test_a_mixtures_experts_are_quantized_with_a_scale_per_row(
     assert len(tokens) == 6 and len(scores) == 5
 
 
+def test_a_mixtures_shared_experts_are_quantized_with_a_scale_per_row(
+    model_dirs: dict[str, Path], load: Callable[[str], LoadedModel]
+) -> None:
+    """GLM-4.5's shared experts (a dense MLP beside the routed ones) in e4m3 too, a scale per output row, as a dense
+    layer's matrices: within e4m3's rounding of the unquantized ones, and the layer's output within its rounding of
+    the unquantized layer's, on the native path (dequantized, packed) and the PyTorch one (``fp8_linear``)."""
+    quantized = load_model(str(model_dirs["tiny-glm4-moe"]), quantization="fp8")
+    plain = load("tiny-glm4-moe")
+    sparse = next(layer.moe for layer in quantized.model.layers if layer.moe is not None)
+    want = next(layer.moe for layer in plain.model.layers if layer.moe is not None)
+    assert sparse is not None and want is not None and want.shared_gate_up is not None
+    assert sparse.shared_gate_up is not None and sparse.shared_gate_up.dtype == FP8
+    assert sparse.shared_down_scale is not None and sparse.shared_down_scale.shape == (1, want.shared_down.shape[0])
+    shared = sparse.shared_matrices(torch.float32)
+    assert shared is not None
+    torch.testing.assert_close(shared[0], want.shared_gate_up, rtol=0.07, atol=1e-3)  # (e4m3: 3 mantissa bits)
+    x = torch.randn(5, want.router.shape[1], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = want.shared(x)
+        assert reference is not None
+        for packed in (False, True):
+            sparse.packed_shared = None
+            if packed:
+                sparse.pack()
+            got = sparse.shared(x)
+            assert got is not None
+            torch.testing.assert_close(got, reference, rtol=0.1, atol=0.1 * reference.abs().max().item())
+            assert not torch.equal(got, reference)
+    tokens, scores = _answer(quantized, [5, 9, 13, 17, 21, 25])
+    assert len(tokens) == 6 and len(scores) == 5
+
+
 def test_unknown_methods_and_gpus_without_fp8_are_refused() -> None:
     with pytest.raises(ConfigError, match="'awq' is not applied here"):
         ModelConfig(quantization="awq")
