@@ -11,7 +11,7 @@ that q's, k's and v's (gate's and up's) stack as their rows do:
 - ``scales``: ``[..., out, groups]`` fp32 (exactly the checkpoint's fp16); ``zeros``: uint8, each group's zero point;
 
 and ``weight[o, i] = (codes[o, i] - zeros[o, g]) * scales[o, g]`` for input ``i`` of group ``g = i // group``, in fp32
-(what ``PackedIntCheckpoint.weight`` computes), then the activations' type. A 4-bit 72B model then takes ~40 GB,
+(what ``PackedIntCheckpoint.weight`` computes), then the activations' type. A 4-bit 72B model then takes ~43 GB,
 where held in bfloat16 it took ~145.
 
 The products are the experts' kernel's (``fused_moe``: a dense matrix is a mixture of one expert every row chose):
