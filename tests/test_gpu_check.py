@@ -31,7 +31,7 @@ def pytest_calls() -> list[list[str]]:
 
 
 def test_the_script_has_its_pytest_calls() -> None:
-    assert len(pytest_calls()) == 5  # the default part, GPU_CHECK_PART=flex, =moe and =more (two)
+    assert len(pytest_calls()) == 6  # the default part, GPU_CHECK_PART=flex, =moe, =quantized and =more (two)
 
 
 @pytest.mark.parametrize("args", pytest_calls(), ids=lambda a: next(p for p in a if p.startswith("tests/")))

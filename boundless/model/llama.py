@@ -309,11 +309,13 @@ class DecoderLayer(nn.Module):
             self.register_parameter(f"{name}_scale", nn.Parameter(scale, requires_grad=False))
         self.fp8_block, self.held_as_stored = block, True
 
-    def hold_int(self, bits: int, group_size: int) -> None:
+    def hold_int(self, bits: int, group_size: int, act_order: bool = False) -> None:
         """Hold the layer's dense matrices as a GPTQ or AWQ checkpoint packs them, in ``bits`` (4 or 8) a weight with
         a scale and a zero point a group of ``group_size`` inputs (-1: all of a matrix's), as
         :class:`~boundless.model.int_stack.IntStack` lays them out: a quarter (an eighth of fp32's) of a 16-bit
-        model's bytes in 4 bits. Made on the meta device, before the weights are allocated and loaded."""
+        model's bytes in 4 bits. Under GPTQ's ``act_order``, each matrix's inputs held sorted by group, in the order
+        ``{name}_perm`` gives (``PackedIntCheckpoint.held``; the product reorders its input so). Made on the meta
+        device, before the weights are allocated and loaded."""
         for name in self.dense_matrices():
             weight = getattr(self, f"{name}_weight")
             out, inputs = weight.shape
@@ -325,6 +327,9 @@ class DecoderLayer(nn.Module):
             self.register_parameter(f"{name}_scale", nn.Parameter(scales, requires_grad=False))
             zeros = torch.empty(out, groups, dtype=torch.uint8, device=weight.device)
             self.register_parameter(f"{name}_zero", nn.Parameter(zeros, requires_grad=False))
+            if act_order:
+                perm = torch.empty(inputs, dtype=torch.int32, device=weight.device)
+                self.register_parameter(f"{name}_perm", nn.Parameter(perm, requires_grad=False))
         self.int_form, self.held_as_stored = (bits, group_size), True
 
     def held_stack(self, name: str) -> Fp8Stack | IntStack:
@@ -385,6 +390,8 @@ class DecoderLayer(nn.Module):
         bias = self.qkv_bias if name == "qkv" else bias
         weight, scale, widened = getattr(self, f"{name}_weight"), getattr(self, f"{name}_scale"), self.widened.get(name)
         if self.int_form is not None or self.fp8_block is not None:  # (held in a form only its kernel reads)
+            if (perm := getattr(self, f"{name}_perm", None)) is not None:  # (act-order: inputs held by group)
+                x = x.index_select(-1, perm)
             if widened is not None and not kernel and x.device.type == "cpu":  # (dequantized once, packed)
                 out = widened.matmul(x.reshape(-1, x.shape[-1]).float())
                 out = out if bias is None else out.add_(bias)
@@ -936,6 +943,7 @@ class LlamaModel(nn.Module):
         offsets = {"q_proj": (0, q_size), "k_proj": (q_size, kv_size), "v_proj": (q_size + kv_size, kv_size)}
         mlp_offsets = {"gate_proj": 0, "up_proj": arch.intermediate_size}
         seen: set[str] = set()
+        orders: set[int] = set()  # (the input orders of act-order's fused matrices already loaded, by address)
         expected = self._expected_names()
         for name, tensor in weights:
             if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
@@ -959,6 +967,10 @@ class LlamaModel(nn.Module):
                     )
                 if dest.shape != tensor.shape:
                     raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+                if name.endswith(".weight_perm"):  # (q's, k's and v's inputs, one order: GPTQ's from one input)
+                    if dest.data_ptr() in orders and not torch.equal(dest, tensor.to(dest.device)):
+                        raise HeldWeightMismatch(f"{name!r} orders its inputs otherwise than its fused matrix's parts")
+                    orders.add(dest.data_ptr())
                 dest.copy_(tensor)
             seen.update(self._loaded_names(name))
         missing = expected - seen
@@ -981,6 +993,8 @@ class LlamaModel(nn.Module):
         if (experts := self._in_experts(name)) is not None:
             _, moe, below = experts
             return moe.as_loaded(below, tensor)
+        if name.endswith(".weight_perm"):
+            return tensor  # (an order of the inputs, not of rows)
         if name.endswith((".weight_scale", ".weight_zero")) and (layer := self._layer_of(name)) and layer.fp8_block:
             return tensor  # (a scale a block of rows, each block whole heads: quantized_dense_form)
         interleaved = arch.rope_interleaved and name.split(".")[-2] in ("q_proj", "k_proj")
@@ -1015,11 +1029,11 @@ class LlamaModel(nn.Module):
             layer.hold_fp8(block)
         self.quantized = True
 
-    def hold_int(self, bits: int, group_size: int) -> None:
+    def hold_int(self, bits: int, group_size: int, act_order: bool = False) -> None:
         """Every layer's dense matrices held as a GPTQ or AWQ checkpoint packs them (:meth:`DecoderLayer.hold_int`),
         before its tensors load."""
         for layer in self.layers:
-            layer.hold_int(bits, group_size)
+            layer.hold_int(bits, group_size, act_order)
         self.quantized = True
 
     def _in_experts(self, name: str) -> tuple[str, SparseMoE, str] | None:
@@ -1060,7 +1074,7 @@ class LlamaModel(nn.Module):
             _, moe, below = experts
             return moe.target(below) or (None, None)
         module, leaf = parts[-2], parts[-1]
-        if leaf in ("weight_scale", "weight_zero") and layer.held_as_stored:
+        if leaf in ("weight_scale", "weight_zero", "weight_perm") and layer.held_as_stored:
             return self._scale_target(layer, module, leaf.removeprefix("weight"), offsets, mlp_offsets)
         if leaf == "sinks":
             return layer.sinks, None
@@ -1103,6 +1117,8 @@ class LlamaModel(nn.Module):
         scale = getattr(layer, f"{matrix}{part}", None)
         if scale is None:
             return None, None
+        if part == "_perm":  # (one order for a fused matrix's inputs: each part's, the same; load_weights checks)
+            return scale, None
         if layer.int_form is not None:
             return scale, rows
         if layer.fp8_block is None:
@@ -1136,8 +1152,10 @@ class LlamaModel(nn.Module):
             names.update(dense)
             if self.layers[i].held_as_stored:  # (a quantized checkpoint's matrices held as stored: their scales too)
                 names.update(n + "_scale" for n in dense)
-            if self.layers[i].int_form is not None:  # (and a GPTQ or AWQ checkpoint's zero points)
+            if self.layers[i].int_form is not None:  # (and a GPTQ or AWQ checkpoint's zero points, input orders)
                 names.update(n + "_zero" for n in dense)
+                if getattr(self.layers[i], "qkv_perm", None) is not None:
+                    names.update(n + "_perm" for n in dense)
             names.update(p + f"{n}.weight" for n in _norm_names(self.arch, self.layers[i]))
             if self.arch.qk_norm:
                 names.update(p + f"self_attn.{m}.weight" for m in ("q_norm", "k_norm"))

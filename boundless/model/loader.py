@@ -156,7 +156,8 @@ def quantized_experts_form(quantized: object, arch: ModelArch) -> str | None:
     if isinstance(quantized, Mxfp4Checkpoint):
         return "mxfp4"
     if isinstance(quantized, PackedIntCheckpoint):
-        return "int" if arch.num_experts and quantized.holds([arch.hidden_size, arch.moe_intermediate_size]) else None
+        inputs = [arch.hidden_size, arch.moe_intermediate_size]
+        return "int" if arch.num_experts and quantized.holds(inputs, experts=True) else None
     # (quant_method fp8's one block for every weight: compressed-tensors' groups may give the experts another.)
     if not isinstance(quantized, QuantizedCheckpoint) or quantized.method != "fp8" or quantized.block is None:
         return None
@@ -170,7 +171,7 @@ def quantized_experts_form(quantized: object, arch: ModelArch) -> str | None:
 
 def quantized_dense_form(quantized: object, arch: ModelArch) -> str | None:
     """How a quantized checkpoint's dense matrices (attention's, a dense MLP's) can be held as it stores them: ``int``
-    (GPTQ's and AWQ's 4 or 8 bits, groups by position that divide every matrix's inputs: ``LlamaModel.hold_int``); of
+    (GPTQ's and AWQ's 4 or 8 bits, groups that divide every matrix's inputs: ``LlamaModel.hold_int``); of
     an FP8 checkpoint, ``rows`` (a scale per tensor or per output channel: each matrix in e4m3 with a scale per row,
     as ``--quantization fp8`` holds it) or ``blocks`` (a scale a block that tiles every matrix, the kernel's tiles of
     inputs within a block's: a power of two of 16 or more; for GLM-4's interleaved RoPE, whose q and k rows are
@@ -211,9 +212,9 @@ def holds_quantized_dense(
         return triton if form == "blocks" else dtype == torch.bfloat16
     if asked and form is None:
         raise ConfigError(
-            "a checkpoint's dense matrices are held as stored only from a GPTQ or AWQ checkpoint of 4 or 8 bits with "
-            "groups by position (not act-order), or an FP8 checkpoint quantized alike throughout, with scales per "
-            "tensor, per channel, or a block that tiles them"
+            "a checkpoint's dense matrices are held as stored only from a GPTQ or AWQ checkpoint of 4 or 8 bits whose "
+            "groups divide their inputs, or an FP8 checkpoint quantized alike throughout, with scales per tensor, per "
+            "channel, or a block that tiles them"
         )
     if asked and ranks > 1:
         raise ConfigError("matrices held as stored are not split over tensor-parallel ranks (they load dequantized)")
@@ -536,7 +537,7 @@ def load_model(
         model.hold_quantized_experts(held_form, getattr(quantized, "block", None), int_form)
     if isinstance(quantized, PackedIntCheckpoint) and (dense_form is not None or held_form == "int"):
         if dense_form is not None:
-            model.hold_int(quantized.bits, quantized.group_size)
+            model.hold_int(quantized.bits, quantized.group_size, quantized.act_order)
         tensors = quantized.dequantized(tensors, keep=model.holds_as_stored)
     elif dense_form is not None:
         assert isinstance(quantized, QuantizedCheckpoint)

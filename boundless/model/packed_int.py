@@ -81,7 +81,8 @@ class PackedIntCheckpoint:
         """``weights`` with each packed layer's parts replaced by its weight (fp32, ``[out, in]``), as soon as its
         parts have come (they may lie in different files, in any order). Other tensors pass as they are. A layer
         whose weight ``keep`` names comes held instead (:meth:`held`): ``NAME.weight`` its codes, beside them
-        ``NAME.weight_scale`` and ``NAME.weight_zero``."""
+        ``NAME.weight_scale`` and ``NAME.weight_zero`` (and under act-order ``NAME.weight_perm``, the order its
+        inputs are held in)."""
         needed = {".qweight", ".qzeros", ".scales"} | ({".g_idx"} if self.act_order else set())
         waiting: dict[str, dict[str, torch.Tensor]] = {}
         done: set[str] = set()
@@ -99,10 +100,12 @@ class PackedIntCheckpoint:
                 del waiting[layer]
                 done.add(layer)
                 if keep is not None and keep(layer + ".weight"):
-                    matrix = self.held(layer, parts)
+                    matrix, perm = self.held(layer, parts)
                     yield layer + ".weight", matrix.codes[0]
                     yield layer + ".weight_scale", matrix.scales[0]
                     yield layer + ".weight_zero", matrix.zeros[0]
+                    if perm is not None:
+                        yield layer + ".weight_perm", perm
                 else:
                     yield layer + ".weight", self.weight(layer, parts)
         missing = {layer: sorted(needed - parts.keys()) for layer, parts in waiting.items()}
@@ -128,24 +131,28 @@ class PackedIntCheckpoint:
         w = (q - zeros[groups]).to(torch.float32) * scales[groups]
         return w.t().contiguous()
 
-    def holds(self, inputs: list[int]) -> bool:
-        """Whether matrices of these input widths can be held in their bits (:meth:`held`): 4 or 8 bits, groups by
-        position (not act-order's), each width a whole number of groups; in 4 bits groups of an even size (a byte's
-        two inputs in one group: the kernel reads one scale a byte)."""
+    def holds(self, inputs: list[int], experts: bool = False) -> bool:
+        """Whether matrices of these input widths can be held in their bits (:meth:`held`): 4 or 8 bits, each width a
+        whole number of groups; in 4 bits groups of an even size (a byte's two inputs in one group: the kernel reads
+        one scale a byte). A mixture's ``experts`` not under act-order (each expert's inputs in an order of its own)."""
         size = self.group_size
-        if self.bits not in (4, 8) or self.act_order or (self.bits == 4 and size != -1 and size % 2):
+        if self.bits not in (4, 8) or (self.bits == 4 and size != -1 and size % 2) or (experts and self.act_order):
             return False
         return size == -1 or all(n % size == 0 for n in inputs)
 
-    def held(self, layer: str, parts: Mapping[str, torch.Tensor]) -> IntStack:
+    def held(self, layer: str, parts: Mapping[str, torch.Tensor]) -> tuple[IntStack, torch.Tensor | None]:
         """One layer held in its bits: codes ``[out, in * bits / 8]`` (GPTQ's int32s transposed are these bytes;
         AWQ's outputs are put in order and their inputs paired), its scales and zero points ``[out, groups]``; the
-        same weights :meth:`weight` makes (:meth:`IntStack.dequantized`), as a stack of one."""
+        same weights :meth:`weight` makes (:meth:`IntStack.dequantized`), as a stack of one.
+
+        Under act-order (GPTQ's ``desc_act``: input ``i`` in group ``g_idx[i]``), with the order its inputs are held
+        in (int32 ``[in]``; else None): sorted by group (stably), so that each group's inputs lie together as the
+        kernel reads them; the product then takes ``x[:, perm]`` (vLLM's GPTQ kernels reorder so too). Each group
+        must hold ``group_size`` inputs, as GPTQ's do."""
         scales = parts[".scales"]
         mask = (1 << self.bits) - 1
         if self.method == "awq":
-            values = _awq_outputs(_unpack(parts[".qweight"], self.bits, dim=1)).t()
-            codes = (values[:, 0::2] | (values[:, 1::2] << 4)).to(torch.uint8)
+            codes = _pack_inputs(_awq_outputs(_unpack(parts[".qweight"], self.bits, dim=1)).t(), self.bits)
             zeros = _awq_outputs(_unpack(parts[".qzeros"], self.bits, dim=1))
         else:
             codes = parts[".qweight"].to(torch.int32).t().contiguous().view(torch.uint8)
@@ -156,11 +163,17 @@ class PackedIntCheckpoint:
                 f"{layer}: packed weights of {inputs} x {outputs} with scales {tuple(scales.shape)} and zero points "
                 f"{tuple(zeros.shape)}"
             )
-        assert not self.act_order  # (held only with groups by position: holds)
-        self._groups(layer, inputs, scales.shape[0], None)  # (the groups fall within the scales)
+        groups = self._groups(layer, inputs, scales.shape[0], parts.get(".g_idx"))  # (within the scales)
         group = inputs if self.group_size == -1 else self.group_size
+        perm = None
+        if self.act_order:
+            order = torch.argsort(groups, stable=True)
+            if not torch.equal(groups[order], torch.arange(inputs, device=groups.device) // group):
+                raise ValueError(f"{layer}: its g_idx gives groups of other sizes than {group} inputs")
+            codes = _pack_inputs(_unpack_inputs(codes, self.bits)[:, order], self.bits)
+            perm = order.to(torch.int32)
         scales, zeros = scales.t().float().contiguous(), zeros.t().to(torch.uint8).contiguous()
-        return IntStack(codes.contiguous()[None], scales[None], zeros[None], self.bits, group)
+        return IntStack(codes.contiguous()[None], scales[None], zeros[None], self.bits, group), perm
 
     def _groups(self, layer: str, inputs: int, num_groups: int, g_idx: torch.Tensor | None) -> torch.Tensor:
         """Each input's group: g_idx's under act-order, else by position."""
@@ -185,6 +198,17 @@ def _unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
         return values.reshape(packed.shape[0] * shifts.numel(), packed.shape[1])
     values = (packed.unsqueeze(2) >> shifts.view(1, 1, -1)) & ((1 << bits) - 1)
     return values.reshape(packed.shape[0], packed.shape[1] * shifts.numel())
+
+
+def _unpack_inputs(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Held codes ``[out, in * bits / 8]`` as one value an input ``[out, in]`` (4 bits: the low nibble first)."""
+    return codes if bits == 8 else torch.stack((codes & 15, codes >> 4), dim=-1).flatten(-2)
+
+
+def _pack_inputs(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """:func:`_unpack_inputs` undone."""
+    values = values.to(torch.uint8)
+    return values if bits == 8 else values[:, 0::2] | (values[:, 1::2] << 4)
 
 
 def _awq_outputs(values: torch.Tensor) -> torch.Tensor:

@@ -86,6 +86,7 @@ def _write(
     group = 16
     tensors, plain = {}, {}
     rng = np.random.default_rng(1)
+    orders: dict[str, np.ndarray] = {}  # (act-order: one g_idx for the matrices of one input, as GPTQ makes them)
     for name, w in load_file(str(source / "model.safetensors")).items():
         packs = name.startswith("model.layers.") and name.endswith("_proj.weight")
         if not (packs or (head and name == "lm_head.weight")):
@@ -94,7 +95,8 @@ def _write(
         inputs = w.shape[1]
         g_idx = np.arange(inputs) // group
         if act_order:  # (act-order: the groups follow the inputs' order of importance, not their positions)
-            g_idx = rng.permutation(g_idx)
+            shared = name.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
+            g_idx = orders.setdefault(shared, rng.permutation(g_idx))
         q, zeros, scales = _quantize(w, bits, group, g_idx)
         layer = name.removesuffix(".weight")
         if method == "awq":
@@ -246,13 +248,43 @@ def test_a_packed_checkpoints_matrices_are_held_in_their_bits(
     assert _greedy(held, backend) != tokens
 
 
-def test_act_order_and_2_bit_checkpoints_are_not_held_in_their_bits(tmp_path: Path) -> None:
-    """Act-order's groups follow g_idx, not the inputs' positions: such a checkpoint loads dequantized (refused when
-    asked to be held), as do 2-bit ones; on the CPU nothing is held by default."""
-    packed, _ = _write(tmp_path, "gptq", act_order=True)
-    with pytest.raises(ConfigError, match="GPTQ or AWQ checkpoint of 4 or 8 bits with groups by position"):
+@pytest.mark.parametrize(
+    "backend", ["auto", pytest.param("triton", marks=pytest.mark.slow if TEST_DEVICE == "cpu" else ())]
+)
+def test_an_act_order_checkpoint_is_held_with_its_inputs_sorted_by_group(tmp_path: Path, backend: str) -> None:
+    """GPTQ's act-order (``desc_act``: input ``i`` in group ``g_idx[i]``, q's, k's and v's one order, as GPTQ makes
+    them from one input): each matrix's inputs held sorted by group, the order beside them; dequantized and put back
+    in the checkpoint's order they are its weights, and the engine gives the dequantized checkpoint's tokens (each
+    product takes its input in the held order). A checkpoint whose q and k order their inputs otherwise is read again
+    dequantized (refused where holding was asked)."""
+    packed, reference = _write(tmp_path, "gptq", act_order=True)
+    held = load_model(str(packed), device=TEST_DEVICE, quantized_dense=True)
+    plain = load_model(str(reference), device=TEST_DEVICE)
+    layer, want = held.model.layers[1], plain.model.layers[1]
+    for name in ("qkv", "o", "gate_up", "down"):
+        perm = getattr(layer, f"{name}_perm").long()
+        assert not torch.equal(perm.cpu(), torch.arange(perm.numel()))
+        dense = layer.held_stack(name).dequantized(0, torch.float32)
+        restored = torch.empty_like(dense)
+        restored[:, perm] = dense
+        assert torch.allclose(restored, getattr(want, f"{name}_weight"), rtol=0, atol=1e-6), name
+    if backend == "triton" and not triton_paged.available(held.device):
+        pytest.skip("triton unavailable")
+    assert _greedy(held, backend) == _greedy(plain, backend)
+    tensors = load_file(str(packed / "model.safetensors"))
+    name = "model.layers.0.self_attn.k_proj.g_idx"
+    k_groups = tensors[name].numpy()
+    tensors[name] = torch.from_numpy(np.sort(k_groups))  # (k's order no longer q's)
+    save_file(tensors, str(packed / "model.safetensors"))
+    with pytest.raises(ConfigError, match="orders its inputs otherwise"):
         load_model(str(packed), quantized_dense=True)
-    assert load_model(str(packed)).model.layers[0].qkv_weight.dtype == torch.float32
+
+
+def test_2_bit_checkpoints_are_not_held_in_their_bits(tmp_path: Path) -> None:
+    """2-bit ones load dequantized, as do groups that do not divide the inputs; on the CPU nothing is held by
+    default; a mixture's experts are not held under act-order (each expert's inputs in an order of its own)."""
+    assert not PackedIntCheckpoint("gptq", 4, 16, act_order=True).holds([64], experts=True)
+    assert PackedIntCheckpoint("gptq", 4, 16, act_order=True).holds([64])
     plain, _ = _write(tmp_path / "plain", "gptq")
     assert load_model(str(plain)).model.layers[0].int_form is None
     assert not PackedIntCheckpoint("gptq", 2, 16).holds([64]) and not PackedIntCheckpoint("gptq", 4, 48).holds([64])
@@ -275,7 +307,7 @@ def test_a_layer_is_held_on_the_device_its_parts_come_on() -> None:
             if method == "gptq"
             else {**parts, ".qweight": torch.empty(64, 8, dtype=torch.int32, device="meta")}
         )
-        held = PackedIntCheckpoint(method, 4, 16).held("w", layer)
+        held, _ = PackedIntCheckpoint(method, 4, 16).held("w", layer)
         assert held.codes.device.type == "meta" and held.shape == (1, 64, 64)
 
 
