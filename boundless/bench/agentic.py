@@ -319,6 +319,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if unknown:
         raise SystemExit(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
     sweep_gbps(args)  # (before the model loads: a bad rate failed with a traceback after every other run)
+    phases_of(args)  # (and a bad --phases stopped the run only once its engines were built)
     loaded = load_configured_model(base.model)
     offline_sessions = sessions_for(args)
     online_sessions = with_arrivals(offline_sessions, args.rate, args.bench_seed)
@@ -342,6 +343,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"warm store: every session's first context written in {time.perf_counter() - start:.1f} s")
             setup = dataclasses.replace(setup, warm_store=warm)
         return _run_all(args, base, setup, modes, offline_sessions, online_sessions, longest)
+
+
+def phases_of(args: argparse.Namespace) -> list[str]:
+    """``--phases``: offline, online or both, in the order given."""
+    phases = [p.strip() for p in args.phases.split(",") if p.strip()]
+    if not phases or any(p not in ("offline", "online") for p in phases):
+        raise SystemExit(f"--phases: offline, online or both, not {args.phases!r}")
+    return phases
 
 
 def sweep_gbps(args: argparse.Namespace) -> list[float]:
@@ -368,10 +377,7 @@ def _run_all(
     rows: list[dict[str, Any]] = []
     runs: dict[str, list[TurnResult]] = {}
     traces: dict[str, dict[str, Any]] = {}  # --trace: per PD run, its storage links' idle split
-    phases = [p.strip() for p in args.phases.split(",") if p.strip()]
-    if not phases or any(p not in ("offline", "online") for p in phases):
-        raise SystemExit(f"--phases: offline, online or both, not {args.phases!r}")
-    for phase in phases:
+    for phase in phases_of(args):
         sessions = offline_sessions if phase == "offline" else online_sessions
         for mode in modes:
             row, turns = run_once(

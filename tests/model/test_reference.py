@@ -254,8 +254,10 @@ TRITON_MODELS = [
     "tiny-mistral-window",  # (a sliding window on every layer: the kernel's window tiles)
     pytest.param("tiny-qwen2-window", marks=pytest.mark.slow if _ON_CPU else ()),
     "tiny-gemma3",  # (the fused path's norms of each output, its GELU, a RoPE table a kind of layer)
-    "tiny-gemma2",  # (the kernel's capped scores)
-    "tiny-granite",  # (the fused path's multiplied products, a softmax scale of its own)
+    # (The kernel's capped scores, 21 s here, and the fused path's multiplied products with a softmax scale of its
+    # own, 13 s: the slow suite on the CPU; the capped kernels' own tests run in the fast one.)
+    pytest.param("tiny-gemma2", marks=pytest.mark.slow if _ON_CPU else ()),
+    pytest.param("tiny-granite", marks=pytest.mark.slow if _ON_CPU else ()),
     "tiny-glm4",  # (its norms of the products in the model's dtype, RoPE on half of each head)
     # (The sinks merged with the kernels' log-sum-exp, 11 s here; a layer the fused path leaves unrotated, 16 s: the
     # slow suite on the CPU.)
