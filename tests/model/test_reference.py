@@ -251,14 +251,16 @@ TRITON_MODELS = [
     pytest.param("tiny-qwen2", marks=pytest.mark.slow if _ON_CPU else ()),
     pytest.param("tiny-qwen3", marks=pytest.mark.slow if _ON_CPU else ()),
     pytest.param("tiny-qwen3-moe", marks=pytest.mark.slow if _ON_CPU else ()),
-    "tiny-mistral-window",  # (a sliding window on every layer: the kernel's window tiles)
+    # (The rest, 13-21 s each in the interpreter, in the slow suite on the CPU, for make test's 10 minutes: a sliding
+    # window on every layer, the kernel's window tiles; Gemma 3's norms of each output, its GELU, a RoPE table a kind
+    # of layer; Gemma 2's capped scores; Granite's multiplied products and softmax scale; GLM-4's norms of the
+    # products, RoPE on half of each head. The kernels' own tests of windows and capped scores run in the fast suite.)
+    pytest.param("tiny-mistral-window", marks=pytest.mark.slow if _ON_CPU else ()),
     pytest.param("tiny-qwen2-window", marks=pytest.mark.slow if _ON_CPU else ()),
-    "tiny-gemma3",  # (the fused path's norms of each output, its GELU, a RoPE table a kind of layer)
-    # (The kernel's capped scores, 21 s here, and the fused path's multiplied products with a softmax scale of its
-    # own, 13 s: the slow suite on the CPU; the capped kernels' own tests run in the fast one.)
+    pytest.param("tiny-gemma3", marks=pytest.mark.slow if _ON_CPU else ()),
     pytest.param("tiny-gemma2", marks=pytest.mark.slow if _ON_CPU else ()),
     pytest.param("tiny-granite", marks=pytest.mark.slow if _ON_CPU else ()),
-    "tiny-glm4",  # (its norms of the products in the model's dtype, RoPE on half of each head)
+    pytest.param("tiny-glm4", marks=pytest.mark.slow if _ON_CPU else ()),
     # (The sinks merged with the kernels' log-sum-exp, 11 s here; a layer the fused path leaves unrotated, 16 s: the
     # slow suite on the CPU.)
     pytest.param("tiny-gpt-oss", marks=pytest.mark.slow if _ON_CPU else ()),
