@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import struct
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -36,7 +37,7 @@ from boundless.model.arch import (
     RopeScaling,
     yarn_scaling,
 )
-from boundless.model.gguf_quants import dequantize
+from boundless.model.gguf_quants import HELD_BITS, HELD_GROUP, dequantize, held_codes
 from boundless.model.tokenizer import Tokenizer
 
 __all__ = [
@@ -928,9 +929,17 @@ class GGUFWeights:
     weights: Iterator[tuple[str, torch.Tensor]] = field(repr=False)
     tokenizer: Tokenizer = field(repr=False)
     metadata: dict[str, Any] = field(default_factory=dict, repr=False)
+    # (bits, group) of the layers' dense matrices where they come held in their blocks' codes (``read_gguf``'s
+    # ``hold_dense``: ``NAME``, ``NAME_scale``, ``NAME_zero``, as ``LlamaModel.hold_int`` holds them); else None.
+    held: tuple[int, int] | None = None
 
 
 _T = TypeVar("_T")
+
+# A layer's dense matrices by their Hugging Face names (a mixture's experts, shared or routed, are not among them).
+_DENSE_MATRIX = re.compile(
+    r"model\.layers\.\d+\.(self_attn\.(q|k|v|o|qkv)_proj|mlp\.(gate|up|down|gate_up)_proj)\.weight"
+)
 
 
 # How many bytes of dequantized (fp32) tensors the reader may have done or under way ahead of the one taken.
@@ -974,7 +983,9 @@ def load_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float3
     return GGUFModel(arch=read.arch, tensors=dict(read.weights), tokenizer=read.tokenizer, metadata=read.metadata)
 
 
-def read_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32) -> GGUFWeights:
+def read_gguf(
+    path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32, hold_dense: bool = False
+) -> GGUFWeights:
     """Read a GGUF file: architecture, dequantized weights under Hugging Face names (as they are taken), tokenizer.
 
     Supports the ``llama`` (Llama 1-3, Mistral, SmolLM...), ``qwen2``, ``qwen3``, ``qwen3moe``, ``phi3`` (Phi-3 and
@@ -983,6 +994,9 @@ def read_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float3
     ``smollm3`` and ``glm4moe`` (GLM-4.5, GLM-4.5-Air, GLM-4.6: its multi-token prediction blocks unread)
     architectures.
     ``dtype`` is what the returned tensors are cast to after float32 dequantization, each as it is dequantized.
+    ``hold_dense``: the layers' dense matrices come as their blocks' codes, scales and zero points where every one of
+    them is of one type of :data:`~boundless.model.gguf_quants.HELD_BITS` (Q8_0 or Q4_0; ``held`` says so), to be held
+    so (``LlamaModel.hold_int``); else, and the rest, dequantized.
     """
     path = Path(path)
     buf = _map(path)
@@ -1013,8 +1027,27 @@ def read_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float3
 
     # llama.cpp permutes Q and K only for the llama architecture (convert_hf_to_gguf's LlamaModel), Granite and SmolLM3.
     permute = model_type in ("llama", "mistral", "granite", "smollm3")
+    dense = [info for info in wanted if _DENSE_MATRIX.fullmatch(hf_tensor_name(info.name, model_type) or "")]
+    qtypes = {info.qtype for info in dense}
+    held = None
+    if hold_dense and len(qtypes) == 1 and (qtype := next(iter(qtypes))) in HELD_BITS:
+        held = (HELD_BITS[qtype], HELD_GROUP)
+    held_names = {info.name for info in dense} if held else set()
 
-    def prepare(info: GGUFTensorInfo) -> torch.Tensor:
+    def prepare_held(info: GGUFTensorInfo) -> tuple[torch.Tensor, ...]:
+        """A dense matrix's codes, scales and zero points (:func:`held_codes`), its rows unpermuted as its values'."""
+        _, block_bytes = GGML_QUANT_SIZES[info.qtype]
+        rows, inner = info.shape
+        raw = buf[info.offset : info.offset + info.nbytes].reshape(rows, inner // HELD_GROUP * block_bytes)
+        parts = held_codes(raw, info.qtype)
+        heads = arch.num_heads if ".attn_q." in info.name else arch.num_kv_heads if ".attn_k." in info.name else 0
+        if not (permute and heads):
+            return parts
+        return tuple(torch.from_numpy(_unpermute_rows(part.numpy(), heads)) for part in parts)
+
+    def prepare(info: GGUFTensorInfo) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        if info.name in held_names:
+            return prepare_held(info)
         # (Cast as each is dequantized, so that only one float32 copy a worker is alive beside the cast ones.)
         array = _dequantize_tensor(buf, info)
         if permute and ".attn_q." in info.name:
@@ -1037,6 +1070,9 @@ def read_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float3
         for info, tensor in zip(wanted, _parallel_map(prepare, wanted), strict=True):
             name = hf_tensor_name(info.name, model_type)
             assert name is not None  # (wanted holds parameters only)
+            if isinstance(tensor, tuple):  # (held: codes, scales, zero points)
+                yield from zip((name, name + "_scale", name + "_zero"), tensor, strict=True)
+                continue
             part = _gpt_oss_part(info.name) if model_type == "gpt_oss" else None
             if part is not None:  # (put together as soon as its last part is in: _check_gpt_oss_experts saw them all)
                 parts.setdefault(name, {})[part] = tensor
@@ -1047,4 +1083,4 @@ def read_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float3
             else:
                 yield name, tensor
 
-    return GGUFWeights(arch=arch, weights=weights(), tokenizer=tokenizer, metadata=meta)
+    return GGUFWeights(arch=arch, weights=weights(), tokenizer=tokenizer, metadata=meta, held=held)

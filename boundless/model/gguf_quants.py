@@ -76,6 +76,31 @@ _KERNELS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
 _CHUNK_BLOCKS = 1 << 15
 
 
+# Block types whose values are ``(code - zero) * d``, a whole zero point a block of 32 (``int_stack.IntStack``'s form),
+# by the bits a code takes: Q8_0's signed bytes (moved by 128) and Q4_0's nibbles (less 8).
+HELD_BITS = {GGMLQuantizationType.Q8_0: 8, GGMLQuantizationType.Q4_0: 4}
+HELD_GROUP = 32
+
+
+def held_codes(raw: np.ndarray, qtype: GGMLQuantizationType) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of ``qtype`` blocks (:data:`HELD_BITS`) as ``IntStack`` holds a matrix: codes uint8 ``[rows, in * bits /
+    8]`` (4 bits: input ``2i`` the low nibble of byte ``i``), scales fp32 and zero points uint8 ``[rows, in / 32]``,
+    whose ``(code - zero) * scale`` is :func:`dequantize`'s value to the bit (a whole number times the float16 ``d``
+    widened: exact in fp32)."""
+    block_bytes = GGML_QUANT_SIZES[qtype][1]
+    rows = raw.shape[0]
+    blocks = torch.from_numpy(np.ascontiguousarray(raw, dtype=np.uint8).copy()).reshape(rows, -1, block_bytes)
+    scales = blocks[:, :, :2].contiguous().view(torch.float16).float().reshape(rows, -1)
+    if qtype == GGMLQuantizationType.Q8_0:
+        codes = (blocks[:, :, 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+        zero = 128
+    else:  # Q4_0: value i the low nibble of byte i, 16 + i its high one; paired here by neighbours
+        values = torch.cat([blocks[:, :, 2:] & 0x0F, blocks[:, :, 2:] >> 4], dim=2)
+        codes, zero = values[:, :, 0::2] | (values[:, :, 1::2] << 4), 8
+    zeros = torch.full(scales.shape, zero, dtype=torch.uint8)
+    return codes.reshape(rows, -1).contiguous(), scales.contiguous(), zeros
+
+
 def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     """The float32 values of ``raw`` (rows of ``qtype`` blocks, as ``gguf.quants.dequantize`` takes them): a new
     array of shape ``raw.shape[:-1] + (values per row,)``, equal to the reference's."""

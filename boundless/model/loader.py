@@ -477,20 +477,31 @@ def load_model(
     held_form: str | None = None  # (how a quantized checkpoint's experts are held as stored: quantized_experts_form)
     dense_form: str | None = None  # (and its dense matrices: quantized_dense_form)
     quantized: QuantizedCheckpoint | PackedIntCheckpoint | Mxfp4Checkpoint | None = None  # (a directory's)
+    gguf_held: tuple[int, int] | None = None  # (a GGUF file's dense matrices held in their blocks' codes: read_gguf)
     generates = True
     spec, score = None, ScoreWeight()  # a classifier's, and its checkpoint's head (model/classifier.py)
     config_json: dict[str, Any] | None = None  # a directory's config.json, with the overrides (read once here)
     if path.is_file():
         from boundless.model.gguf import read_gguf
 
-        if quantized_experts or quantized_dense:
-            raise ConfigError(f"--model {path}: a GGUF file's weights load dequantized, not held quantized")
+        if quantized_experts:
+            raise ConfigError(f"--model {path}: a GGUF file's experts load dequantized, not held quantized")
+        # (Its dense matrices are held in their blocks' codes where they are all Q8_0 or all Q4_0, and where the
+        # kernels that read them run: holds_quantized_dense's rule for GPTQ's codes.)
+        hold = holds_quantized_dense(quantized_dense, "int", dev, tensor_parallel.size, torch_dtype)
         try:
             # (Each weight dequantized and cast as the model takes it: the file's weights are never all in memory.)
-            gguf = read_gguf(path, dtype=torch_dtype)
+            gguf = read_gguf(path, dtype=torch_dtype, hold_dense=hold)
         except _UNREADABLE_GGUF as e:
             raise ConfigError(f"--model {path}: not a GGUF file this reads ({type(e).__name__}: {e})") from None
         arch, tokenizer = gguf.arch, gguf.tokenizer
+        if quantized_dense and gguf.held is None:
+            raise ConfigError(
+                f"--model {path}: a GGUF file's dense matrices are held in their blocks only where they are all Q8_0 "
+                "or all Q4_0"
+            )
+        gguf_held = gguf.held
+        dense_form = None if gguf_held is None else "int"
         tensors: Iterator[tuple[str, torch.Tensor]] = _gguf_weights(gguf.weights, path)
     else:
         from boundless.model.tokenizer import Tokenizer
@@ -535,7 +546,9 @@ def load_model(
         assert quantized is not None  # (a form is a quantized checkpoint's)
         int_form = (quantized.bits, quantized.group_size) if isinstance(quantized, PackedIntCheckpoint) else None
         model.hold_quantized_experts(held_form, getattr(quantized, "block", None), int_form)
-    if isinstance(quantized, PackedIntCheckpoint) and (dense_form is not None or held_form == "int"):
+    if gguf_held is not None:  # (its weights come held already: read_gguf's)
+        model.hold_int(*gguf_held)
+    elif isinstance(quantized, PackedIntCheckpoint) and (dense_form is not None or held_form == "int"):
         if dense_form is not None:
             model.hold_int(quantized.bits, quantized.group_size, quantized.act_order)
         tensors = quantized.dequantized(tensors, keep=model.holds_as_stored)

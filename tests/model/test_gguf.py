@@ -27,7 +27,7 @@ from model_files import (
 )
 from tokenizers import pre_tokenizers
 
-from boundless.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from boundless.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig
 from boundless.engine.core import EngineCore
 from boundless.engine.sampling_params import SamplingParams
 from boundless.model.arch import ModelArch, RopeScaling
@@ -1092,3 +1092,55 @@ def test_not_a_gguf_file(tmp_path: Path) -> None:
     path.write_bytes(b"NOPE" + bytes(64))
     with pytest.raises(ValueError, match="not a GGUF file"):
         read_gguf_header(path)
+
+
+def _greedy_tokens(loaded: LoadedModel, backend: str = "auto") -> list[list[int]]:
+    config = EngineConfig(
+        model=ModelConfig(model=loaded.name, attention_backend=backend, max_model_len=128),
+        cache=CacheConfig(block_size=16, num_kv_blocks=32),
+        scheduler=SchedulerConfig(max_num_seqs=4),
+    )
+    core = EngineCore.from_model(loaded, config)
+    for i, prompt in enumerate([[5, 9, 13, 17, 21, 25], [7, 3, 11] * 5]):
+        core.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    out: dict[str, list[int]] = {"0": [], "1": []}
+    while core.has_unfinished():
+        for delta in core.step():
+            out[delta.request_id].extend(delta.new_token_ids)
+    return list(out.values())
+
+
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("backend", ["auto", pytest.param("triton", marks=pytest.mark.slow)])
+def test_a_files_dense_matrices_are_held_in_their_blocks_codes(
+    tmp_path: Path, qtype: GGMLQuantizationType, backend: str
+) -> None:
+    """A Q8_0 or Q4_0 file's layers' matrices held as their blocks' codes, a scale and a zero point a block of 32
+    (``quantized_dense``: the default on CUDA with Triton, one rank), q's and k's rows unpermuted as their values':
+    dequantized they are the file's values to the bit, and the engine gives the dequantized file's greedy tokens."""
+    path = tmp_path / "llama.gguf"
+    write_tiny_gguf(path, tied=False, qtype=qtype)
+    held, plain = load_model(str(path), quantized_dense=True), load_model(str(path))
+    bits = 8 if qtype == GGMLQuantizationType.Q8_0 else 4
+    for layer, want in zip(held.model.layers, plain.model.layers, strict=True):
+        assert layer.int_form == (bits, 32)
+        for name in ("qkv", "o", "gate_up", "down"):
+            codes = getattr(layer, f"{name}_weight")
+            assert codes.dtype == torch.uint8 and codes.shape[1] == getattr(want, f"{name}_weight").shape[1] * bits // 8
+            assert torch.equal(layer.held_stack(name).dequantized(0, torch.float32), getattr(want, f"{name}_weight"))
+    assert held.fingerprint != plain.fingerprint
+    if backend == "triton" and not importlib.util.find_spec("triton"):
+        pytest.skip("triton unavailable")
+    assert _greedy_tokens(held, backend) == _greedy_tokens(plain, backend)
+
+
+def test_a_file_of_other_blocks_is_not_held(tmp_path: Path) -> None:
+    """Q4_1's blocks add a minimum (no whole zero point): its matrices load dequantized, refused when asked to be held
+    in their blocks; a file's experts are never held."""
+    path = tmp_path / "q4_1.gguf"
+    write_tiny_gguf(path, tied=False, qtype=GGMLQuantizationType.Q4_1)
+    with pytest.raises(ConfigError, match="held in their blocks only where they are all Q8_0 or all Q4_0"):
+        load_model(str(path), quantized_dense=True)
+    assert load_model(str(path)).model.layers[0].int_form is None
+    with pytest.raises(ConfigError, match="experts load dequantized"):
+        load_model(str(path), quantized_experts=True)

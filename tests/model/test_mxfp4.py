@@ -66,7 +66,7 @@ def test_experts_are_held_in_mxfp4_where_the_kernels_read_them() -> None:
 def test_a_gguf_files_experts_are_not_held_in_mxfp4() -> None:
     from boundless.model.loader import load_model
 
-    with pytest.raises(ConfigError, match="GGUF file's weights load dequantized"):
+    with pytest.raises(ConfigError, match="GGUF file's experts load dequantized"):
         load_model("smollm2-135m", quantized_experts=True)
 
 
