@@ -175,8 +175,14 @@ class SparseMoE(nn.Module):
 
     @staticmethod
     def _shared_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-        """``x`` times a shared expert's matrix: in e4m3 with its scale per row (``fp8_linear``), or as it is."""
-        return F.linear(x, weight) if scale is None else fp8_linear(x, weight, scale, None)
+        """``x`` times a shared expert's matrix: in e4m3 with its scale per row (``fp8_linear``; on the CPU the
+        matrix dequantized, as the native path packs it: PyTorch's CPU ``_scaled_mm`` sums a row otherwise in
+        another batch), or as it is."""
+        if scale is None:
+            return F.linear(x, weight)
+        if x.device.type == "cpu":
+            return F.linear(x, (weight.float() * scale.t()).to(x.dtype))
+        return fp8_linear(x, weight, scale, None)
 
     def shared_matrices(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The shared experts' gate/up and down in ``dtype`` (dequantized when in e4m3), or None without them."""
