@@ -121,6 +121,7 @@ def test_dualpath_with_the_pe_prefilling_as_pushes_land_serves_the_colocated_out
     assert dualpath["landing_pushes"] > 0  # the PE took pushes counted first, prefilling as they landed
 
 
+@pytest.mark.slow  # (18 s here: make test's 10 minutes; the split engines' handoffs keep their own fast tests)
 def test_the_modes_serve_a_split_model_with_identical_outputs(model_dirs: dict[str, Path]) -> None:
     """``--tensor-parallel-size 2``: the colocated engine and the prefill and decode engines each split over two ranks
     (a stored context read by each rank's share, a handoff and a DE-read push rank to rank) serve the same outputs."""

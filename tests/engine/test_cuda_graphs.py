@@ -304,6 +304,7 @@ def test_a_window_on_the_device_gives_the_tokens_of_single_steps(tiny_llama: Loa
     assert windows[0] >= 2  # (prefill, then windows of 8: 17 tokens need two after the first)
 
 
+@_SLOW_ON_THE_INTERPRETER  # (13 s in the interpreter; greedy windows keep their fast tests)
 def test_a_device_window_draws_what_passes_one_by_one_draw(tiny_llama: LoadedModel) -> None:
     """Random sampling in a device window takes the same draws from the same generators as the window's passes run
     one by one: shared and per-request seeds, with the shared generator's first row ending first (a finished row
