@@ -303,10 +303,11 @@ class DecoderLayer(nn.Module):
             weight = getattr(self, f"{name}_weight")
             out, inputs = weight.shape
             shape = (1, out) if block is None else (out // block[0], inputs // block[1])
-            setattr(self, f"{name}_weight", nn.Parameter(torch.empty_like(weight, dtype=FP8), requires_grad=False))
-            delattr(self, f"{name}_scale")  # (a plain attribute until now: a parameter moves with the module)
-            scale = torch.empty(shape, dtype=torch.float32, device=weight.device)
-            self.register_parameter(f"{name}_scale", nn.Parameter(scale, requires_grad=False))
+            self._hold(
+                name,
+                torch.empty_like(weight, dtype=FP8),
+                scale=torch.empty(shape, dtype=torch.float32, device=weight.device),
+            )
         self.fp8_block, self.held_as_stored = block, True
 
     def hold_int(self, bits: int, group_size: int, act_order: bool = False) -> None:
@@ -320,17 +321,22 @@ class DecoderLayer(nn.Module):
             weight = getattr(self, f"{name}_weight")
             out, inputs = weight.shape
             groups = 1 if group_size == -1 else inputs // group_size
-            codes = torch.empty(out, inputs * bits // 8, dtype=torch.uint8, device=weight.device)
-            setattr(self, f"{name}_weight", nn.Parameter(codes, requires_grad=False))
-            delattr(self, f"{name}_scale")  # (a plain attribute until now: a parameter moves with the module)
-            scales = torch.empty(out, groups, dtype=torch.float32, device=weight.device)
-            self.register_parameter(f"{name}_scale", nn.Parameter(scales, requires_grad=False))
-            zeros = torch.empty(out, groups, dtype=torch.uint8, device=weight.device)
-            self.register_parameter(f"{name}_zero", nn.Parameter(zeros, requires_grad=False))
+            parts = {
+                "scale": torch.empty(out, groups, dtype=torch.float32, device=weight.device),
+                "zero": torch.empty(out, groups, dtype=torch.uint8, device=weight.device),
+            }
             if act_order:
-                perm = torch.empty(inputs, dtype=torch.int32, device=weight.device)
-                self.register_parameter(f"{name}_perm", nn.Parameter(perm, requires_grad=False))
+                parts["perm"] = torch.empty(inputs, dtype=torch.int32, device=weight.device)
+            self._hold(name, torch.empty(out, inputs * bits // 8, dtype=torch.uint8, device=weight.device), **parts)
         self.int_form, self.held_as_stored = (bits, group_size), True
+
+    def _hold(self, name: str, weight: torch.Tensor, **parts: torch.Tensor) -> None:
+        """Matrix ``name`` held as ``weight`` with ``parts`` beside it (``{name}_scale``...), each a parameter (a
+        plain attribute until now, the scale: a parameter moves with the module and loads by its name)."""
+        setattr(self, f"{name}_weight", nn.Parameter(weight, requires_grad=False))
+        delattr(self, f"{name}_scale")
+        for part, tensor in parts.items():
+            self.register_parameter(f"{name}_{part}", nn.Parameter(tensor, requires_grad=False))
 
     def held_stack(self, name: str) -> Fp8Stack | IntStack:
         """The matrix ``name`` held as a quantized checkpoint stores it, in FP8 blocks (:meth:`hold_fp8`) or in its
@@ -1102,11 +1108,11 @@ class LlamaModel(nn.Module):
         offsets: dict[str, tuple[int, int]],
         mlp_offsets: dict[str, int],
     ) -> tuple[torch.Tensor | None, tuple[int, int] | None]:
-        """Where a held matrix's scale or zero points (``part``: ``_scale``, ``_zero``) go
+        """Where a held matrix's scale, zero points or input order (``part``: ``_scale``, ``_zero``, ``_perm``) go
         (:meth:`DecoderLayer.hold_fp8`, :meth:`DecoderLayer.hold_int`): the rows of its fused matrix's that its rows
-        take. An FP8 scale per row is held [1, out] (``fp8_linear``'s) and taken here as the [out, 1] it is stored
-        as; a scale a block is [out / rows, in / inputs], a row a block of rows; a GPTQ or AWQ matrix's are [out,
-        groups], a row a row."""
+        take (an input order, the fused matrix's whole). An FP8 scale per row is held [1, out] (``fp8_linear``'s) and
+        taken here as the [out, 1] it is stored as; a scale a block is [out / rows, in / inputs], a row a block of
+        rows; a GPTQ or AWQ matrix's are [out, groups], a row a row."""
         if module in offsets:
             matrix, rows = "qkv", offsets[module]
         elif module in mlp_offsets:
@@ -1114,17 +1120,17 @@ class LlamaModel(nn.Module):
         else:
             matrix = {"o_proj": "o", "down_proj": "down", "qkv_proj": "qkv", "gate_up_proj": "gate_up"}.get(module, "")
             rows = None
-        scale = getattr(layer, f"{matrix}{part}", None)
-        if scale is None:
+        held = getattr(layer, f"{matrix}{part}", None)
+        if held is None:
             return None, None
         if part == "_perm":  # (one order for a fused matrix's inputs: each part's, the same; load_weights checks)
-            return scale, None
+            return held, None
         if layer.int_form is not None:
-            return scale, rows
+            return held, rows
         if layer.fp8_block is None:
-            return scale.view(-1, 1), rows
+            return held.view(-1, 1), rows
         per = layer.fp8_block[0]
-        return scale, None if rows is None else (rows[0] // per, rows[1] // per)
+        return held, None if rows is None else (rows[0] // per, rows[1] // per)
 
     def _expected_names(self) -> set[str]:
         names = {"model.embed_tokens.weight", "model.norm.weight"}

@@ -1,5 +1,6 @@
 """What the GGUF tests and the reference tests both do with a tiny model: write its directory as a GGUF file as
-llama.cpp's converter writes one, and run an engine on prompts collecting each step's logits."""
+llama.cpp's converter writes one, and run an engine on prompts collecting each step's logits (or, for the quantized
+checkpoints' tests, their greedy tokens)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import torch
 from boundless.engine.core import EngineCore
 from boundless.engine.executor import StepResult
 from boundless.engine.sampling_params import SamplingParams
+from boundless.llm import engine_config
+from boundless.model.loader import LoadedModel
 
 
 def add_bpe_vocabulary(writer: gguf.GGUFWriter, vocab: dict[str, Any]) -> None:
@@ -82,6 +85,23 @@ def write_directory_gguf(
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """``convert_hf_to_gguf.LlamaModel.permute``, as llama.cpp applies it to Q and K."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def greedy_tokens(loaded: LoadedModel, backend: str = "auto") -> list[list[int]]:
+    """Two prompts' 8 greedy tokens each on an engine of ``loaded`` (``--attention-backend backend``), a small pool:
+    what the tests of a checkpoint held one way and loaded another compare."""
+    core = EngineCore.from_model(
+        loaded, engine_config(loaded.name, max_model_len=128, num_kv_blocks=32, attention_backend=backend)
+    )
+    prompts = [[5, 9, 13, 17, 21, 25], [7, 3, 11] * 5]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        core.add_request(str(i), prompt, params)
+    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while core.has_unfinished():
+        for delta in core.step():
+            out[delta.request_id].extend(delta.new_token_ids)
+    return list(out.values())
 
 
 def step_logits(core: EngineCore, prompts: list[list[int]], params: SamplingParams) -> list[torch.Tensor]:

@@ -19,6 +19,7 @@ import pytest
 import torch
 from gguf.constants import GGMLQuantizationType
 from model_files import (
+    greedy_tokens,
     llama_cpp_permute,
     step_logits,
     write_directory_gguf,
@@ -1094,22 +1095,6 @@ def test_not_a_gguf_file(tmp_path: Path) -> None:
         read_gguf_header(path)
 
 
-def _greedy_tokens(loaded: LoadedModel, backend: str = "auto") -> list[list[int]]:
-    config = EngineConfig(
-        model=ModelConfig(model=loaded.name, attention_backend=backend, max_model_len=128),
-        cache=CacheConfig(block_size=16, num_kv_blocks=32),
-        scheduler=SchedulerConfig(max_num_seqs=4),
-    )
-    core = EngineCore.from_model(loaded, config)
-    for i, prompt in enumerate([[5, 9, 13, 17, 21, 25], [7, 3, 11] * 5]):
-        core.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-    out: dict[str, list[int]] = {"0": [], "1": []}
-    while core.has_unfinished():
-        for delta in core.step():
-            out[delta.request_id].extend(delta.new_token_ids)
-    return list(out.values())
-
-
 @pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0], ids=lambda q: q.name)
 @pytest.mark.parametrize("backend", ["auto", pytest.param("triton", marks=pytest.mark.slow)])
 def test_a_files_dense_matrices_are_held_in_their_blocks_codes(
@@ -1131,7 +1116,7 @@ def test_a_files_dense_matrices_are_held_in_their_blocks_codes(
     assert held.fingerprint != plain.fingerprint
     if backend == "triton" and not importlib.util.find_spec("triton"):
         pytest.skip("triton unavailable")
-    assert _greedy_tokens(held, backend) == _greedy_tokens(plain, backend)
+    assert greedy_tokens(held, backend) == greedy_tokens(plain, backend)
 
 
 def test_a_file_of_other_blocks_is_not_held(tmp_path: Path) -> None:

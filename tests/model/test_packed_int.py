@@ -17,14 +17,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from model_files import greedy_tokens
 from safetensors.torch import load_file, save_file
 
 from boundless.attention import triton_paged
 from boundless.config import ConfigError
-from boundless.engine.core import EngineCore
-from boundless.engine.sampling_params import SamplingParams
-from boundless.llm import engine_config
-from boundless.model.loader import LoadedModel, load_model
+from boundless.model.loader import load_model
 from boundless.model.packed_int import PackedIntCheckpoint
 from boundless.model.random_model import TinySpec, write_random_model
 
@@ -200,19 +198,6 @@ def test_settings_in_the_file_older_releases_wrote_beside_config_json_are_read(t
 TEST_DEVICE = os.environ.get("BOUNDLESS_TEST_DEVICE", "cpu")  # (conftest's)
 
 
-def _greedy(loaded: LoadedModel, backend: str = "auto") -> list[list[int]]:
-    core = EngineCore.from_model(
-        loaded, engine_config(loaded.name, max_model_len=128, num_kv_blocks=32, attention_backend=backend)
-    )
-    for i, prompt in enumerate([[5, 9, 13, 17, 21, 25], [7, 3, 11] * 5]):
-        core.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-    out: dict[str, list[int]] = {"0": [], "1": []}
-    while core.has_unfinished():
-        for delta in core.step():
-            out[delta.request_id].extend(delta.new_token_ids)
-    return list(out.values())
-
-
 @pytest.mark.parametrize(("method", "bits", "v2"), [("awq", 4, False), ("gptq", 4, False), ("gptq", 8, True)])
 @pytest.mark.parametrize(
     "backend", ["auto", pytest.param("triton", marks=pytest.mark.slow if TEST_DEVICE == "cpu" else ())]
@@ -239,13 +224,13 @@ def test_a_packed_checkpoints_matrices_are_held_in_their_bits(
             assert torch.allclose(dense, weight, rtol=0, atol=1e-6), name
     if backend == "triton" and not triton_paged.available(held.device):
         pytest.skip("triton unavailable")
-    tokens = _greedy(held, backend)
-    assert tokens == _greedy(plain, backend)
+    tokens = greedy_tokens(held, backend)
+    assert tokens == greedy_tokens(plain, backend)
     with torch.no_grad():
         for layer in held.model.layers:
             layer.gate_up_zero.add_(1 << (bits - 3))  # (a 16th of the codes' range)
             layer.widened.clear()  # (the native path's packed copies, made again)
-    assert _greedy(held, backend) != tokens
+    assert greedy_tokens(held, backend) != tokens
 
 
 @pytest.mark.parametrize(
@@ -270,7 +255,7 @@ def test_an_act_order_checkpoint_is_held_with_its_inputs_sorted_by_group(tmp_pat
         assert torch.allclose(restored, getattr(want, f"{name}_weight"), rtol=0, atol=1e-6), name
     if backend == "triton" and not triton_paged.available(held.device):
         pytest.skip("triton unavailable")
-    assert _greedy(held, backend) == _greedy(plain, backend)
+    assert greedy_tokens(held, backend) == greedy_tokens(plain, backend)
     tensors = load_file(str(packed / "model.safetensors"))
     name = "model.layers.0.self_attn.k_proj.g_idx"
     k_groups = tensors[name].numpy()
@@ -333,4 +318,4 @@ def test_a_packed_mixtures_experts_are_held_in_their_bits(tmp_path: Path, backen
     assert held.model.layers[0].int_form == (4, 16)  # (the attention's matrices too)
     if backend == "triton" and not triton_paged.available(held.device):
         pytest.skip("triton unavailable")
-    assert _greedy(held, backend) == _greedy(plain, backend)
+    assert greedy_tokens(held, backend) == greedy_tokens(plain, backend)

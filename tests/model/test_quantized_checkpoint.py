@@ -15,15 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_files import greedy_tokens
 from safetensors.torch import load_file, save_file
 
 from boundless.attention import triton_paged
 from boundless.config import ConfigError
-from boundless.engine.core import EngineCore
-from boundless.engine.sampling_params import SamplingParams
-from boundless.llm import engine_config
 from boundless.model.fp8_linear import Fp8Stack
-from boundless.model.loader import LoadedModel, load_model
+from boundless.model.loader import load_model
 from boundless.model.random_model import TinySpec, write_random_model
 
 FP8_MAX = 448.0
@@ -176,21 +174,6 @@ def test_other_quantizations_are_refused_in_words(tmp_path: Path, quant: dict, s
 MOE = TinySpec(kind="qwen3_moe", weight_std=0.3, seed=4)
 
 
-def _greedy(loaded: LoadedModel, backend: str = "auto") -> list[list[int]]:
-    core = EngineCore.from_model(
-        loaded, engine_config(loaded.name, max_model_len=128, num_kv_blocks=32, attention_backend=backend)
-    )
-    prompts = [[5, 9, 13, 17, 21, 25], [7, 3, 11] * 5]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        core.add_request(str(i), prompt, params)
-    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    while core.has_unfinished():
-        for delta in core.step():
-            out[delta.request_id].extend(delta.new_token_ids)
-    return list(out.values())
-
-
 @pytest.mark.parametrize("backend", ["auto", pytest.param("triton", marks=pytest.mark.slow if _ON_CPU else ())])
 def test_an_fp8_mixtures_experts_are_held_as_stored(tmp_path: Path, backend: str) -> None:
     """An FP8 checkpoint's experts held as it stores them (``quantized_experts``: the default on CUDA): e4m3 bytes as
@@ -212,7 +195,7 @@ def test_an_fp8_mixtures_experts_are_held_as_stored(tmp_path: Path, backend: str
     assert torch.equal(held.model.layers[1].qkv_weight, plain.model.layers[1].qkv_weight)
     if backend == "triton" and not triton_paged.available(held.device):
         pytest.skip("triton unavailable")
-    assert _greedy(held, backend) == _greedy(plain, backend)
+    assert greedy_tokens(held, backend) == greedy_tokens(plain, backend)
 
 
 def test_fp8_experts_in_blocks_that_do_not_tile_them_load_dequantized(tmp_path: Path) -> None:
@@ -279,13 +262,13 @@ def test_an_fp8_checkpoints_dense_matrices_are_held_as_stored(
         assert torch.equal(held.model.layers[1].qkv_weight[64:96].view(torch.uint8).cpu(), stored.view(torch.uint8))
     if backend == "triton" and not triton_paged.available(held.device):
         pytest.skip("triton unavailable")
-    tokens = _greedy(held, backend)
-    assert tokens == _greedy(plain, backend)
+    tokens = greedy_tokens(held, backend)
+    assert tokens == greedy_tokens(plain, backend)
     with torch.no_grad():
         for layer in held.model.layers:
             layer.gate_up_scale.mul_(2)  # (not down's: GLM-4's norm after the MLP would undo it)
             layer.widened.clear()  # (the native path's packed copies, made again from the scales)
-    assert _greedy(held, backend) != tokens
+    assert greedy_tokens(held, backend) != tokens
 
 
 def test_fp8_matrices_with_a_scale_per_channel_are_held_as_fp8_quantization_holds_them(tmp_path: Path) -> None:
@@ -299,7 +282,7 @@ def test_fp8_matrices_with_a_scale_per_channel_are_held_as_fp8_quantization_hold
     assert layer.fp8_block is None and layer.gate_up_scale.shape == (1, 256)
     assert torch.equal(layer.gate_up_weight.view(torch.uint8), want.gate_up_weight.view(torch.uint8))
     torch.testing.assert_close(layer.gate_up_scale, want.gate_up_scale, rtol=1e-6, atol=0)
-    assert _greedy(held) == _greedy(again)
+    assert greedy_tokens(held) == greedy_tokens(again)
 
 
 @pytest.mark.parametrize("spec", [None, GLM4], ids=["llama", "glm4-interleaved-0d-scales"])
