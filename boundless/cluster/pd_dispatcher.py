@@ -367,7 +367,8 @@ class PDDispatcher(Dispatcher):
             call.prompt_cached_tokens = delta.num_cached_tokens
             shown = dataclasses.replace(delta, finished=False, finish_reason=None, stop_reason=None)
             call.phase = "continuing"  # the PE is done with it: its room there (and its tokens) free for the queue
-            if not self.views[call.decode_engine].alive:
+            if not self.views[call.decode_engine].alive:  # lost while the PE prefilled: the call fails over now
+                self.num_failovers += 1
                 call.prepared = False
                 return shown, self._route_decode(call) + self._place()
             call.instance = call.decode_engine

@@ -155,8 +155,8 @@ def test_a_split_engine_that_loses_a_rank_is_restarted_and_hands_off_again(
     later = [[90 + i] + [(7 * j + i) % 300 + 3 for j in range(40)] for i in range(6)]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     expected = _one_split_engines_texts(path, flags, prompts + later, params)
-    # (A heartbeat a second: one every 0.1 s could find d0 dead before the calls below were placed, none on it then,
-    # and no call failed over, as a loaded machine's timing once had it.)
+    # (A heartbeat a second: one every 0.1 s could find d0 dead before the calls below were placed, none on it then.
+    # A call placed on d0 fails over whether d0 is found dead before its handoff or after.)
     cluster = ClusterConfig(
         prefill_instances=1, decode_instances=2 if lost == "d0" else 1, heartbeat_interval_s=1.0,
         heartbeat_timeout_s=30.0, kv_handoff_timeout_s=20.0, restart_delay_s=0.5, max_restarts=1,

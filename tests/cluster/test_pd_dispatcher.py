@@ -375,6 +375,7 @@ def test_a_de_lost_while_its_pe_prefills_gets_the_handoff_elsewhere_as_a_resumed
     (send,) = follow
     assert isinstance(send, Send) and send.instance_id == other and send.handoff is None
     assert send.resume is not None and send.resume.output_token_ids == (7,) and send.resume.text_chars_sent == 1
+    assert d.num_failovers == 1  # (counted as it moves, once)
     assert d.add_done(send, OK) == []
     shown, _ = d.receive(other, delta("a", [8], "y", "length"))
     assert shown is not None and shown.finished
