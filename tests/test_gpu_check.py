@@ -4,6 +4,7 @@ CPU, with the tests it names and its ``-k`` selection."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -34,19 +35,51 @@ def test_the_script_has_its_pytest_calls() -> None:
     assert len(pytest_calls()) == 6  # the default part, GPU_CHECK_PART=flex, =moe, =quantized and =more (two)
 
 
-@pytest.mark.parametrize("args", pytest_calls(), ids=lambda a: next(p for p in a if p.startswith("tests/")))
-def test_every_test_the_script_names_is_collected(args: list[str]) -> None:
-    paths = [a for a in args if a.startswith("tests/")]
-    assert paths and all(Path(SCRIPT.parents[1], p.split("::")[0]).is_file() for p in paths)
+# One process collects for every call (pytest.main once a call, the test modules imported once): a process each
+# took 4-6 s, most of it importing torch.
+_COLLECT_ALL = """
+import json, sys
+import pytest
+
+class Collected:
+    def __init__(self): self.ids = []
+    def pytest_collection_finish(self, session): self.ids = [item.nodeid for item in session.items]
+
+results = []
+for args in json.loads(sys.argv[1]):
+    plugin = Collected()
+    code = pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", *args], plugins=[plugin])
+    results.append({"code": int(code), "ids": plugin.ids})
+print("COLLECTED " + json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def collected() -> list[dict]:
+    """Each pytest call's exit code and the tests it collects, in the script's order."""
     env = {**os.environ, "BOUNDLESS_TEST_DEVICE": "cpu"}
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
-        cwd=SCRIPT.parents[1], env=env, capture_output=True, text=True, timeout=300,
+        [sys.executable, "-c", _COLLECT_ALL, json.dumps(pytest_calls())],
+        cwd=SCRIPT.parents[1], env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    collected = {line.split("::")[0] for line in proc.stdout.splitlines() if "::" in line}
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("COLLECTED ")), None)
+    assert proc.returncode == 0 and line is not None, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return json.loads(line.removeprefix("COLLECTED "))
+
+
+@pytest.mark.parametrize("index", range(len(pytest_calls())), ids=lambda i: _call_id(pytest_calls()[i]))
+def test_every_test_the_script_names_is_collected(collected: list[dict], index: int) -> None:
+    args = pytest_calls()[index]
+    paths = [a for a in args if a.startswith("tests/")]
+    assert paths and all(Path(SCRIPT.parents[1], p.split("::")[0]).is_file() for p in paths)
+    result = collected[index]
+    assert result["code"] == 0, args
     # Every file the call names has a test it selects (a -k that matches nothing in a file drops it silently).
-    assert {p.split("::")[0] for p in paths} <= collected
+    assert {p.split("::")[0] for p in paths} <= {nodeid.split("::")[0] for nodeid in result["ids"]}
+
+
+def _call_id(args: list[str]) -> str:
+    return next(p for p in args if p.startswith("tests/"))
 
 
 def test_every_benchmark_call_of_the_script_parses() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,13 @@ DEVICE = torch.device(TEST_DEVICE)
 BACKEND = "triton" if DEVICE.type == "cuda" and triton_paged.available(DEVICE) else "torch"
 
 
+# (The whole benchmark on small shapes, 15 s and 5 s on the CPU: the slow suite there; every flag of the device run's
+# calls is parsed in the fast one, tests/test_gpu_check.py.)
+def _slow_on_cpu(test: Callable[..., None]) -> Callable[..., None]:
+    return pytest.mark.slow(test) if DEVICE.type == "cpu" else test
+
+
+@_slow_on_cpu
 def test_bench_gpu_runs_every_part_on_small_shapes(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     gpu.add_arguments(parser)
@@ -96,6 +104,7 @@ def test_bench_gpu_runs_the_mixture_against_transformers_and_beside_itself(tmp_p
     assert results["moe_experts_in_mxfp4"] == (DEVICE.type == "cuda")
 
 
+@_slow_on_cpu
 def test_bench_gpu_decodes_the_8b_shape_as_quantized_checkpoints_held_as_stored(tmp_path: Path) -> None:
     """``--shapes 8b,fp8,int4``: the 8B stand-in's decode, then the same shape as an FP8 checkpoint (drawn in memory,
     its projections e4m3 with a scale a block) and as a 4-bit GPTQ one, each held as stored: against its own roofline,

@@ -19,6 +19,7 @@ from boundless.model.random_model import write_random_lora
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
+@pytest.mark.slow  # (10 s of Ray; the cluster's failover is test_cluster.py's, adapters' test_lora.py's)
 def test_adapter_requests_survive_an_instance_death(
     model_dirs: dict[str, Path], tiny_llama: LoadedModel, tmp_path: Path
 ) -> None:

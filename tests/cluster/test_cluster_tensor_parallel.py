@@ -41,6 +41,7 @@ def test_instances_of_a_split_model_answer_as_one_engine_and_fail_over(
         assert not client.dispatcher.views["1"].alive
 
 
+@pytest.mark.slow  # (18 s of Ray and split engines; test_local_pd_split.py's hand off the same way)
 def test_prefill_and_decode_engines_of_a_split_model_on_ray_hand_off_every_ranks_share(
     model_dirs: dict[str, Path], tiny_llama: LoadedModel
 ) -> None:

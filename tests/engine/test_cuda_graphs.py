@@ -291,6 +291,7 @@ def _count_device_windows(core: EngineCore) -> list[int]:
     return count
 
 
+@_SLOW_ON_THE_INTERPRETER
 def test_a_window_on_the_device_gives_the_tokens_of_single_steps(tiny_llama: LoadedModel) -> None:
     """Multi-step windows whose passes feed each other on the device (``DecodeGraphs.launch_window``): the tokens of the
     eager engine stepping one token at a time, with requests that end mid-window before and between others (their
@@ -611,7 +612,11 @@ def test_async_single_steps_run_as_device_windows_of_one_pass(tiny_llama: Loaded
     assert windows[0] >= 6 and core.scheduler.stats.num_ahead == windows[0]  # (the first behind the prefill)
 
 
-@pytest.mark.parametrize("logprobs", [None, pytest.param(2, marks=_SLOW_ON_THE_INTERPRETER)], ids=["draws", "logprobs"])
+@pytest.mark.parametrize(
+    "logprobs",
+    [pytest.param(None, marks=_SLOW_ON_THE_INTERPRETER), pytest.param(2, marks=_SLOW_ON_THE_INTERPRETER)],
+    ids=["draws", "logprobs"],
+)
 def test_steps_with_prefill_run_on_the_device_and_the_next_is_queued_behind(
     tiny_llama: LoadedModel, logprobs: int | None
 ) -> None:

@@ -112,7 +112,7 @@ def test_split_engines_lend_and_attend_rank_to_rank_with_one_devices_answer(load
     assert c1.rm.lent_blocks == 0 and c2.rm.lent_blocks == 0 and c1.core.kv.pool.num_used == 0
 
 
-@pytest.mark.parametrize("lost", ["rank 1", "rank 0"])
+@pytest.mark.parametrize("lost", [pytest.param("rank 1", marks=pytest.mark.slow), "rank 0"])
 def test_a_round_trip_failing_on_one_rank_fails_the_step_on_every_rank_and_the_request_is_recomputed(
     load, split_cluster, lost: str
 ) -> None:
@@ -149,6 +149,7 @@ class _LostConfirm(LocalControlPlane):
         return False
 
 
+@pytest.mark.slow  # (11 s of split engines)
 def test_a_move_given_up_is_cancelled_on_every_rank_and_its_late_words_never_confirm_another(split_cluster) -> None:
     """A move whose confirm is lost is given up by the creditor (every rank's receive cancelled, no word of it kept);
     then a move on the same tag (the debtor restarted at its address numbers its moves from 0 again) whose second rank

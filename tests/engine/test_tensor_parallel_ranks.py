@@ -87,7 +87,11 @@ def _ranks(core: EngineCore) -> TensorParallelRanks:
     return ranks
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-phi3", "tiny-gpt-oss"])
+# (Each 6 s of processes starting on this machine: one model in the fast suite, the others in the slow one.)
+@pytest.mark.parametrize(
+    "name",
+    ["tiny-llama", *(pytest.param(n, marks=pytest.mark.slow) for n in ("tiny-qwen2", "tiny-phi3", "tiny-gpt-oss"))],
+)
 def test_two_ranks_answer_as_transformers(
     name: str, model_dirs: dict[str, Path], load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]
 ) -> None:
@@ -143,7 +147,7 @@ def _wait_health(url: str, status: int, timeout_s: float) -> None:
     assert httpx.get(f"{url}/health").status_code == status
 
 
-@pytest.mark.parametrize("max_restarts", [0, 1])
+@pytest.mark.parametrize("max_restarts", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_a_server_of_two_ranks_answers_and_restarts_its_engine_when_a_rank_dies(
     max_restarts: int, model_dirs: dict[str, Path], load: Callable[[str], LoadedModel], tmp_path: Path
 ) -> None:
@@ -370,6 +374,7 @@ def test_lora_adapters_on_two_ranks_answer_as_on_one_device(
     assert one[0] != one[2]  # (the adapter changes the answer: a test that cannot tell them apart tests nothing)
 
 
+@pytest.mark.slow  # (three ranks of the real model, 14 s)
 def test_smollm2_from_its_gguf_file_on_three_ranks_answers_as_transformers(
     smollm2: LoadedModel, hf_model: Callable[[str], Any]
 ) -> None:

@@ -98,6 +98,7 @@ def test_a_restarted_split_engine_loads_each_ranks_share_of_the_blocks_an_earlie
     assert warm_hits == (3 + 2) * BLOCK + 1 * BLOCK
 
 
+@pytest.mark.slow  # (7 s of ranks starting)
 def test_blocks_one_rank_lacks_are_recomputed_on_every_rank_and_written_again(
     model_dirs: dict[str, Path], hf_model: Callable[[str], Any], tmp_path: Path
 ) -> None:

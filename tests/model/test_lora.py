@@ -112,6 +112,7 @@ class AdapterCase:
 
 
 _CASES: dict[str, AdapterCase] = {}
+_ON_CPU = os.environ.get("BOUNDLESS_TEST_DEVICE", "cpu") == "cpu"  # (conftest's TEST_DEVICE)
 
 
 def _case(name: str, load: Callable, hf_model: Callable, tmp_path_factory: pytest.TempPathFactory) -> AdapterCase:
@@ -131,7 +132,8 @@ def _case(name: str, load: Callable, hf_model: Callable, tmp_path_factory: pytes
         "tiny-granite",
         "tiny-glm4",
         "tiny-phi3",
-        "smollm2-135m",
+        # (PEFT's run of the real model, 25 s on the CPU: the slow suite there; the tiny models' in the fast one.)
+        pytest.param("smollm2-135m", marks=pytest.mark.slow if _ON_CPU else ()),
     ],
 )
 def case(
@@ -192,9 +194,6 @@ def test_mixed_batch_on_the_pytorch_path(llama: AdapterCase, monkeypatch: pytest
     got = _run(core, [(f"{name}-{i}", p, name) for i, p in enumerate(llama.prompts) for name in names])
     for name in names:
         assert [got[f"{name}-{i}"] for i in range(len(llama.prompts))] == llama.expected[name], name
-
-
-_ON_CPU = os.environ.get("BOUNDLESS_TEST_DEVICE", "cpu") == "cpu"  # (conftest's TEST_DEVICE)
 
 
 @pytest.mark.parametrize(

@@ -239,15 +239,14 @@ def test_greedy_matches_transformers(ref: Reference, config: str) -> None:
         assert core.counters.accepted_tokens >= 4 * len(ref.prompts)  # the second time's, from the first's outputs
 
 
-# The GPU attention backend (CUDA's default). On the CPU it runs in Triton's interpreter: tiny-llama (grouped-query
-# heads, llama3 rope scaling; 12 s here) in the fast suite, so that the default GPU path's outputs are checked against
-# transformers on every change; tiny-qwen2 (a kv head per head), tiny-qwen3 (its head norm) and the MoE model (16-18 s
-# each) in the slow one; smollm2 not at all (30 layers). The kernels' own tests against dense attention run in the
-# fast suite, in the interpreter too (tests/attention/test_triton_paged.py, both head layouts). On CUDA every model
-# runs (scripts/gpu-check.sh).
+# The GPU attention backend (CUDA's default). On the CPU it runs in Triton's interpreter, in the slow suite: tiny-llama
+# (grouped-query heads, llama3 rope scaling; 19 s here), tiny-qwen2 (a kv head per head), tiny-qwen3 (its head norm)
+# and the MoE model (16-18 s each); smollm2 not at all (30 layers). The kernels' own tests against dense attention run
+# in the fast suite, in the interpreter too (tests/attention/test_triton_paged.py, both head layouts), as do the
+# native and Flex backends' runs against transformers. On CUDA every model runs (scripts/gpu-check.sh).
 _ON_CPU = os.environ.get("BOUNDLESS_TEST_DEVICE", "cpu") == "cpu"  # (conftest's TEST_DEVICE)
 TRITON_MODELS = [
-    "tiny-llama",
+    pytest.param("tiny-llama", marks=pytest.mark.slow if _ON_CPU else ()),
     pytest.param("tiny-qwen2", marks=pytest.mark.slow if _ON_CPU else ()),
     pytest.param("tiny-qwen3", marks=pytest.mark.slow if _ON_CPU else ()),
     pytest.param("tiny-qwen3-moe", marks=pytest.mark.slow if _ON_CPU else ()),
@@ -512,7 +511,10 @@ def _longrope_reference(
     return _REFERENCES[key]
 
 
-@pytest.mark.parametrize("backend", ["native", "triton", "flex"])
+# (Triton's in its interpreter, 8-9 s each: the slow suite on the CPU.)
+@pytest.mark.parametrize(
+    "backend", ["native", pytest.param("triton", marks=pytest.mark.slow if _ON_CPU else ()), "flex"]
+)
 @pytest.mark.parametrize("regime", ["short", "long"])
 def test_longrope_and_partial_rotary_match_transformers(
     regime: str,
