@@ -27,6 +27,8 @@ dense matrices on a GPU: ``LlamaModel.hold_int``), in their 4 or 8 bits as
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +37,7 @@ import torch
 
 from boundless.config import ConfigError
 from boundless.model.int_stack import IntStack
+from boundless.model.llama import HeldWeightMismatch
 
 _PARTS = (".qweight", ".qzeros", ".scales", ".g_idx")
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the output each four bits of an AWQ int32 hold, by position
@@ -50,6 +53,13 @@ class PackedIntCheckpoint:
     group_size: int  # inputs a group (-1: all)
     zero_offset: int = 0  # added to each stored zero point (1: GPTQ's v1 format)
     act_order: bool = False  # GPTQ's desc_act: each input's group is g_idx's
+    # Every layer's matrices packed alike: no per-module overrides, and none of them left unquantized (AWQ's
+    # ``modules_to_not_convert`` naming only heads and routers). Only then are they held in their bits (:meth:`holds`).
+    uniform: bool = True
+    # GPTQModel's ``dynamic``: (pattern, overrides) in the config's order. A module whose name the first matching
+    # pattern matches (``re.match``) is packed with the overrides (bits, group_size, desc_act), or, for a pattern
+    # written ``-:…``, left unquantized; as vLLM reads them.
+    dynamic: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
 
     @staticmethod
     def of(method: str, quant: Mapping[str, Any]) -> PackedIntCheckpoint:
@@ -57,8 +67,7 @@ class PackedIntCheckpoint:
         ConfigError saying what does."""
         bits = int(quant.get("bits", quant.get("w_bit", 4)))
         group_size = int(quant.get("group_size", quant.get("q_group_size", -1)))
-        if group_size == 0 or group_size < -1:
-            raise ConfigError(f"this {method} checkpoint's group_size {group_size} is not a group of inputs")
+        _check_group(method, group_size)
         if method == "awq":
             version = str(quant.get("version", "gemm")).lower()
             if version != "gemm" or bits != 4 or not quant.get("zero_point", True):
@@ -68,12 +77,26 @@ class PackedIntCheckpoint:
                 )
             return PackedIntCheckpoint("awq", bits, group_size)
         form = "marlin" if quant.get("is_marlin_format") else str(quant.get("checkpoint_format", "gptq")).lower()
-        if bits not in (2, 4, 8) or form not in ("gptq", "gptq_v2"):
-            raise ConfigError(
-                f"this GPTQ checkpoint ({bits}-bit, format {form!r}) does not load here: 2, 4 and 8-bit ones in the "
-                "gptq or gptq_v2 format do"
-            )
-        return PackedIntCheckpoint("gptq", bits, group_size, 1 if form == "gptq" else 0, bool(quant.get("desc_act")))
+        if form not in ("gptq", "gptq_v2"):
+            raise ConfigError(f"this GPTQ checkpoint's format {form!r} does not load here: gptq and gptq_v2 do")
+        _check_bits(bits)
+        dynamic = _dynamic(quant.get("dynamic"))
+        offset = 1 if form == "gptq" else 0
+        return PackedIntCheckpoint("gptq", bits, group_size, offset, bool(quant.get("desc_act")), not dynamic, dynamic)
+
+    def of_layer(self, layer: str) -> PackedIntCheckpoint | None:
+        """How the module ``layer`` (a checkpoint name: ``model.layers.3.mlp.down_proj``) is packed: this, or what
+        the first ``dynamic`` pattern that matches it overrides; None where that pattern leaves it unquantized."""
+        for pattern, overrides in self.dynamic:
+            if not re.match(pattern.removeprefix("-:").removeprefix("+:"), layer):
+                continue
+            if pattern.startswith("-:"):
+                return None
+            values = dict(overrides)
+            bits, group = int(values.get("bits", self.bits)), int(values.get("group_size", self.group_size))
+            act_order = bool(values.get("desc_act", self.act_order))
+            return dataclasses.replace(self, bits=bits, group_size=group, act_order=act_order, dynamic=())
+        return self
 
     def dequantized(
         self, weights: Iterator[tuple[str, torch.Tensor]], keep: Callable[[str], bool] | None = None
@@ -83,7 +106,6 @@ class PackedIntCheckpoint:
         whose weight ``keep`` names comes held instead (:meth:`held`): ``NAME.weight`` its codes, beside them
         ``NAME.weight_scale`` and ``NAME.weight_zero`` (and under act-order ``NAME.weight_perm``, the order its
         inputs are held in)."""
-        needed = {".qweight", ".qzeros", ".scales"} | ({".g_idx"} if self.act_order else set())
         waiting: dict[str, dict[str, torch.Tensor]] = {}
         done: set[str] = set()
         for name, tensor in weights:
@@ -94,23 +116,34 @@ class PackedIntCheckpoint:
             layer = name.removesuffix(part)
             if layer in done:  # (a g_idx after its layer was made: groups were by position)
                 continue
+            packing = self.of_layer(layer)
+            if packing is None:
+                raise ValueError(f"{layer}: packed, where the checkpoint's dynamic settings leave it unquantized")
             parts = waiting.setdefault(layer, {})
             parts[part] = tensor
-            if needed <= parts.keys():
+            if packing.parts_needed() <= parts.keys():
                 del waiting[layer]
                 done.add(layer)
                 if keep is not None and keep(layer + ".weight"):
-                    matrix, perm = self.held(layer, parts)
+                    matrix, perm = packing.held(layer, parts)
                     yield layer + ".weight", matrix.codes[0]
                     yield layer + ".weight_scale", matrix.scales[0]
                     yield layer + ".weight_zero", matrix.zeros[0]
                     if perm is not None:
                         yield layer + ".weight_perm", perm
                 else:
-                    yield layer + ".weight", self.weight(layer, parts)
-        missing = {layer: sorted(needed - parts.keys()) for layer, parts in waiting.items()}
+                    yield layer + ".weight", packing.weight(layer, parts)
+        missing = {layer: sorted(self._needed_by(layer) - parts.keys()) for layer, parts in waiting.items()}
         if missing:
             raise ValueError(f"packed layers without all their parts: {dict(list(missing.items())[:3])}")
+
+    def parts_needed(self) -> set[str]:
+        """The tensors a layer packed so is made from (g_idx under act-order only: GPTQ saves it either way)."""
+        return {".qweight", ".qzeros", ".scales"} | ({".g_idx"} if self.act_order else set())
+
+    def _needed_by(self, layer: str) -> set[str]:
+        packing = self.of_layer(layer)
+        return packing.parts_needed() if packing is not None else set()
 
     def weight(self, layer: str, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """One layer's weight, ``[out, in]`` in fp32, from its parts."""
@@ -134,9 +167,12 @@ class PackedIntCheckpoint:
     def holds(self, inputs: list[int], experts: bool = False) -> bool:
         """Whether matrices of these input widths can be held in their bits (:meth:`held`): 4 or 8 bits, each width a
         whole number of groups; in 4 bits groups of an even size (a byte's two inputs in one group: the kernel reads
-        one scale a byte). A mixture's ``experts`` not under act-order (each expert's inputs in an order of its own)."""
+        one scale a byte). A mixture's ``experts`` not under act-order (each expert's inputs in an order of its own).
+        Not a checkpoint whose layers are packed in more than one way, or some left unquantized (``uniform``)."""
         size = self.group_size
         if self.bits not in (4, 8) or (self.bits == 4 and size != -1 and size % 2) or (experts and self.act_order):
+            return False
+        if not self.uniform:
             return False
         return size == -1 or all(n % size == 0 for n in inputs)
 
@@ -169,7 +205,7 @@ class PackedIntCheckpoint:
         if self.act_order:
             order = torch.argsort(groups, stable=True)
             if not torch.equal(groups[order], torch.arange(inputs, device=groups.device) // group):
-                raise ValueError(f"{layer}: its g_idx gives groups of other sizes than {group} inputs")
+                raise HeldWeightMismatch(f"{layer}: its g_idx gives groups of other sizes than {group} inputs")
             codes = _pack_inputs(_unpack_inputs(codes, self.bits)[:, order], self.bits)
             perm = order.to(torch.int32)
         scales, zeros = scales.t().float().contiguous(), zeros.t().to(torch.uint8).contiguous()
@@ -186,6 +222,39 @@ class PackedIntCheckpoint:
         if groups.shape != (inputs,) or int(groups.max()) >= num_groups or int(groups.min()) < 0:
             raise ValueError(f"{layer}: {inputs} inputs' groups do not fall in its {num_groups} groups of scales")
         return groups
+
+
+def _check_group(method: str, group_size: int) -> None:
+    if group_size == 0 or group_size < -1:
+        raise ConfigError(f"this {method} checkpoint's group_size {group_size} is not a group of inputs")
+
+
+def _check_bits(bits: int) -> None:
+    if bits not in (2, 4, 8):
+        raise ConfigError(f"this GPTQ checkpoint's {bits}-bit weights do not load here: 2, 4 and 8-bit ones do")
+
+
+def _dynamic(dynamic: object) -> tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]:
+    """GPTQModel's ``dynamic`` setting, checked: patterns that compile, and overrides of bits, group_size, desc_act
+    and sym (the last read nowhere: zero points are stored either way) that load."""
+    if not dynamic:
+        return ()
+    if not isinstance(dynamic, Mapping):
+        raise ConfigError(f"this GPTQ checkpoint's dynamic setting is not a map of patterns: {dynamic!r}")
+    rules = []
+    for pattern, overrides in dynamic.items():
+        try:
+            re.compile(str(pattern).removeprefix("-:").removeprefix("+:"))
+        except re.error as e:
+            raise ConfigError(f"this GPTQ checkpoint's dynamic pattern {pattern!r} is not a regex: {e}") from None
+        overrides = dict(overrides or {})
+        unknown = sorted(set(overrides) - {"bits", "group_size", "desc_act", "sym"})
+        if unknown:
+            raise ConfigError(f"this GPTQ checkpoint's dynamic pattern {pattern!r} overrides {unknown}: not read here")
+        _check_bits(int(overrides.get("bits", 4)))
+        _check_group("gptq", int(overrides.get("group_size", -1)))
+        rules.append((str(pattern), tuple(sorted(overrides.items()))))
+    return tuple(rules)
 
 
 def _unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:

@@ -22,6 +22,7 @@ compressed-tensors) is refused in words; a GGUF file's quantized weights load as
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Callable, Iterator, Mapping
@@ -66,7 +67,10 @@ class QuantizedCheckpoint:
             return None
         method = str(quant.get("quant_method", "")).lower()
         if method in ("gptq", "awq"):
-            return PackedIntCheckpoint.of(method, quant)
+            packed = PackedIntCheckpoint.of(method, quant)
+            # (AWQ's modules left in 16 bits: a layer's matrix among them keeps the layers from being held.)
+            uniform = packed.uniform and _leaves_layers_quantized(quant.get("modules_to_not_convert"))
+            return dataclasses.replace(packed, uniform=uniform)
         if method == "mxfp4":
             if config.get("model_type") != "gpt_oss":  # (its layout is gpt-oss's stacked experts')
                 raise ConfigError(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -22,8 +23,10 @@ from safetensors.torch import load_file, save_file
 
 from boundless.attention import triton_paged
 from boundless.config import ConfigError
+from boundless.model.llama import HeldWeightMismatch
 from boundless.model.loader import load_model
 from boundless.model.packed_int import PackedIntCheckpoint
+from boundless.model.quantized_checkpoint import QuantizedCheckpoint
 from boundless.model.random_model import TinySpec, write_random_model
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
@@ -73,48 +76,56 @@ def _write(
     v2: bool = False,
     head: bool = False,
     spec: TinySpec | None = None,
+    dynamic: dict[str, tuple[int, int] | None] | None = None,
 ) -> tuple[Path, Path]:
     """A random model (``spec``'s) written twice: packed as ``method`` packs it (with ``head``, its LM head too, as
-    GPTQModel may), and its weights as the packed ones stand for them (fp32, no quantization_config)."""
+    GPTQModel may), and its weights as the packed ones stand for them (fp32, no quantization_config). ``dynamic``:
+    GPTQModel's per-module settings, a module's name that ends as a key's packed with that key's (bits, group size),
+    or left in 16 bits (None), written into the config as patterns."""
     source = write_random_model(root / "source", spec or TinySpec(weight_std=0.3))
     packed, reference = root / method, root / "reference"
     for d in (packed, reference):
         shutil.copytree(source, d, dirs_exist_ok=True)
         (d / "model.safetensors").unlink()
-    group = 16
     tensors, plain = {}, {}
     rng = np.random.default_rng(1)
     orders: dict[str, np.ndarray] = {}  # (act-order: one g_idx for the matrices of one input, as GPTQ makes them)
     for name, w in load_file(str(source / "model.safetensors")).items():
         packs = name.startswith("model.layers.") and name.endswith("_proj.weight")
-        if not (packs or (head and name == "lm_head.weight")):
+        form = next((f for end, f in (dynamic or {}).items() if name.endswith(end + ".weight")), (bits, 16))
+        if not (packs or (head and name == "lm_head.weight")) or form is None:
             tensors[name] = plain[name] = w
             continue
-        inputs = w.shape[1]
-        g_idx = np.arange(inputs) // group
+        width, group = form
+        g_idx = np.arange(w.shape[1]) // group
         if act_order:  # (act-order: the groups follow the inputs' order of importance, not their positions)
             shared = name.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
             g_idx = orders.setdefault(shared, rng.permutation(g_idx))
-        q, zeros, scales = _quantize(w, bits, group, g_idx)
+        q, zeros, scales = _quantize(w, width, group, g_idx)
         layer = name.removesuffix(".weight")
         if method == "awq":
-            tensors[layer + ".qweight"] = _pack_columns(q, bits, AWQ_ORDER)
-            tensors[layer + ".qzeros"] = _pack_columns(zeros, bits, AWQ_ORDER)
+            tensors[layer + ".qweight"] = _pack_columns(q, width, AWQ_ORDER)
+            tensors[layer + ".qzeros"] = _pack_columns(zeros, width, AWQ_ORDER)
         else:
-            tensors[layer + ".qweight"] = _pack_rows(q, bits)
-            stored = zeros if v2 else (zeros - 1) & ((1 << bits) - 1)  # (v1 stores each zero point less one)
-            tensors[layer + ".qzeros"] = _pack_columns(stored, bits)
+            tensors[layer + ".qweight"] = _pack_rows(q, width)
+            stored = zeros if v2 else (zeros - 1) & ((1 << width) - 1)  # (v1 stores each zero point less one)
+            tensors[layer + ".qzeros"] = _pack_columns(stored, width)
             tensors[layer + ".g_idx"] = torch.from_numpy(g_idx.astype(np.int32))
             tensors[layer + ".bias"] = torch.zeros(w.shape[0], dtype=torch.float16)  # (AutoGPTQ's, Llama's layers too)
         tensors[layer + ".scales"] = scales
         plain[name] = torch.from_numpy((q - zeros[g_idx]) * scales.double().numpy()[g_idx]).t().float().contiguous()
     save_file(tensors, str(packed / "model.safetensors"))
     save_file(plain, str(reference / "model.safetensors"))
-    quant = {"quant_method": method, "bits": bits, "group_size": group}
+    quant = {"quant_method": method, "bits": bits, "group_size": 16}
     if method == "awq":
         quant |= {"version": "gemm", "zero_point": True}
     else:
         quant |= {"desc_act": act_order, "sym": False, "checkpoint_format": "gptq_v2" if v2 else "gptq"}
+    if dynamic:  # (GPTQModel's patterns: ``+:`` packs the modules it matches otherwise, ``-:`` leaves them alone)
+        rules = {
+            end: ("-:", {}) if f is None else ("+:", {"bits": f[0], "group_size": f[1]}) for end, f in dynamic.items()
+        }
+        quant["dynamic"] = {f"{sign}.*\\.{re.escape(end)}$": rule for end, (sign, rule) in rules.items()}
     config = json.loads((source / "config.json").read_text())
     (packed / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
     return packed, reference
@@ -142,6 +153,45 @@ def test_a_packed_checkpoint_loads_as_the_weights_it_stands_for(
     # (Quantized: the weights moved from the source's, by up to half a step of the group's scale.)
     source = load_model(str(tmp_path / "source"))
     assert not torch.allclose(source.model.layers[0].qkv_weight, got.model.layers[0].qkv_weight, atol=1e-3)
+
+
+def test_gptqmodels_per_module_settings_are_read(tmp_path: Path) -> None:
+    """GPTQModel's ``dynamic`` settings (a pattern of module names, and the bits and group size of the modules it
+    matches, or ``-:`` for modules left unquantized), as vLLM reads them: a layer's down_proj in 8 bits, groups of
+    32, and another's o_proj in 16 bits load as the weights they stand for (each was a shape error). A checkpoint so
+    packed is not held in its bits: its fused matrices' parts could differ."""
+    dynamic = {"1.mlp.down_proj": (8, 32), "0.self_attn.o_proj": None}
+    packed, reference = _write(tmp_path, "gptq", dynamic=dynamic)
+    got, want = load_model(str(packed)), load_model(str(reference))
+    expected = dict(want.model.named_parameters())
+    for name, p in got.model.named_parameters():
+        assert torch.allclose(p, expected[name], rtol=0, atol=1e-6), name
+    packing = QuantizedCheckpoint.of(json.loads((packed / "config.json").read_text()))
+    assert isinstance(packing, PackedIntCheckpoint) and not packing.holds([64, 128])
+    down = packing.of_layer("model.layers.1.mlp.down_proj")
+    assert down is not None and (down.bits, down.group_size) == (8, 32)
+    assert packing.of_layer("model.layers.0.self_attn.o_proj") is None
+    other = packing.of_layer("model.layers.0.mlp.down_proj")  # (the config's bits and groups)
+    assert other is not None and (other.bits, other.group_size) == (4, 16)
+    with pytest.raises(ConfigError, match="dense matrices are held as stored only"):
+        load_model(str(packed), quantized_dense=True)
+    config = json.loads((packed / "config.json").read_text())
+    config["quantization_config"]["dynamic"] = {"+:.*(": {"bits": 8}}
+    with pytest.raises(ConfigError, match="not a regex"):
+        QuantizedCheckpoint.of(config)
+
+
+@pytest.mark.parametrize(
+    ("unquantized", "holds"), [(None, True), (["lm_head"], True), (["mlp.gate"], True), (["self_attn.o_proj"], False)]
+)
+def test_awq_modules_left_in_16_bits_keep_the_layers_from_being_held_only_if_they_are_a_layers(
+    unquantized: list[str] | None, holds: bool
+) -> None:
+    """AWQ's ``modules_to_not_convert``: a head or a router left in 16 bits is no layer's matrix; an attention or MLP
+    matrix left so keeps the layers' matrices from being held in their bits (read up front: not a failed load)."""
+    quant = {"quant_method": "awq", "bits": 4, "group_size": 16, "version": "gemm", "zero_point": True}
+    packing = QuantizedCheckpoint.of({"quantization_config": {**quant, "modules_to_not_convert": unquantized}})
+    assert isinstance(packing, PackedIntCheckpoint) and packing.holds([64, 128]) == holds
 
 
 def test_the_bit_order_is_autoawqs_and_autogptqs() -> None:
@@ -276,6 +326,21 @@ def test_2_bit_checkpoints_are_not_held_in_their_bits(tmp_path: Path) -> None:
     assert PackedIntCheckpoint("awq", 4, -1).holds([64, 96]) and PackedIntCheckpoint("gptq", 8, 32).holds([64, 96])
     # (In 4 bits a byte's two inputs read one group's scale: groups of an odd size are not held.)
     assert not PackedIntCheckpoint("gptq", 4, 3).holds([96]) and PackedIntCheckpoint("gptq", 8, 3).holds([96])
+
+
+def test_act_order_groups_of_other_sizes_are_a_mismatch_read_again_dequantized() -> None:
+    """A g_idx whose groups are not ``group_size`` inputs each cannot be held sorted by group: the loader's mismatch
+    (a default load reads the checkpoint again, dequantized), not a failed load."""
+    gptq = PackedIntCheckpoint("gptq", 4, 16, act_order=True)
+    parts = {
+        ".qweight": torch.zeros(4, 8, dtype=torch.int32),  # (32 inputs, 8 outputs)
+        ".qzeros": torch.zeros(2, 1, dtype=torch.int32),
+        ".scales": torch.ones(2, 8),
+        ".g_idx": torch.tensor([0] * 20 + [1] * 12, dtype=torch.int32),
+    }
+    with pytest.raises(HeldWeightMismatch, match="groups of other sizes"):
+        gptq.held("w", parts)
+    assert gptq.weight("w", parts).shape == (8, 32)  # (dequantized it loads)
 
 
 def test_a_layer_is_held_on_the_device_its_parts_come_on() -> None:
