@@ -169,9 +169,11 @@ def quantized_experts_form(quantized: object, arch: ModelArch) -> str | None:
     return "fp8" if tiled and cols >= 16 and not cols & (cols - 1) else None
 
 
-def quantized_dense_form(quantized: object, arch: ModelArch) -> str | None:
+def quantized_dense_form(quantized: object, arch: ModelArch, ranks: int = 1) -> str | None:
     """How a quantized checkpoint's dense matrices (attention's, a dense MLP's) can be held as it stores them: ``int``
-    (GPTQ's and AWQ's 4 or 8 bits, groups that divide every matrix's inputs: ``LlamaModel.hold_int``); of
+    (GPTQ's and AWQ's 4 or 8 bits, groups that divide every matrix's inputs: ``LlamaModel.hold_int``; over ``ranks``
+    tensor-parallel ranks, groups that divide each rank's share of o's and down's inputs, and not under act-order,
+    whose input order spans the ranks' shares); of
     an FP8 checkpoint, ``rows`` (a scale per tensor or per output channel: each matrix in e4m3 with a scale per row,
     as ``--quantization fp8`` holds it) or ``blocks`` (a scale a block that tiles every matrix, the kernel's tiles of
     inputs within a block's: a power of two of 16 or more; for GLM-4's interleaved RoPE, whose q and k rows are
@@ -181,6 +183,12 @@ def quantized_dense_form(quantized: object, arch: ModelArch) -> str | None:
     outputs = [q_size, kv_size, arch.hidden_size] + ([arch.intermediate_size] if dense_mlp else [])
     inputs = [arch.hidden_size, q_size] + ([arch.intermediate_size] if dense_mlp else [])
     if isinstance(quantized, PackedIntCheckpoint):
+        if ranks > 1:
+            if quantized.act_order or any(n % ranks for n in inputs[1:]):
+                return None
+            inputs = [inputs[0], *(n // ranks for n in inputs[1:])]  # (a rank's share of the row-parallel inputs)
+            if any(n * quantized.bits % 8 for n in inputs):  # (each rank's share whole bytes of codes)
+                return None
         return "int" if quantized.holds(inputs) else None
     if not isinstance(quantized, QuantizedCheckpoint) or not quantized.uniform:
         return None
@@ -196,13 +204,15 @@ def holds_quantized_dense(
     asked: bool | None, form: str | None, device: torch.device, ranks: int, dtype: torch.dtype
 ) -> bool:
     """Whether a quantized checkpoint's dense matrices are held as it stores them (``load_model``'s
-    ``quantized_dense``; ``form``: :func:`quantized_dense_form`'s): as ``asked``, or by default on a GPU, on one rank,
-    where their products run: GPTQ's and AWQ's in the Triton kernel (``fused_moe.held_linear``); an FP8 checkpoint's
-    on a GPU with FP8 (sm_89 or later: Ada, Hopper), scales a block in the Triton kernel, scales per row in
-    ``_scaled_mm``, which writes bfloat16 only. Asked of a checkpoint whose matrices cannot be, or over ranks, it is
-    refused."""
+    ``quantized_dense``; ``form``: :func:`quantized_dense_form`'s, judged by a rank's share over ``ranks``): as
+    ``asked``, or by default on a GPU where their products run: GPTQ's and AWQ's in the Triton kernel
+    (``fused_moe.held_linear``), on any number of ranks, each holding its share of the codes; an FP8 checkpoint's on
+    a GPU with FP8 (sm_89 or later: Ada, Hopper), on one rank, scales a block in the Triton kernel, scales per row in
+    ``_scaled_mm``, which writes bfloat16 only. Asked of a checkpoint whose matrices cannot be, or of FP8 ones over
+    ranks, it is refused."""
+    over_ranks = ranks > 1 and form != "int"
     if asked is None:
-        if form is None or device.type != "cuda" or ranks > 1:
+        if form is None or device.type != "cuda" or over_ranks:
             return False
         triton = importlib.util.find_spec("triton") is not None
         if form == "int":
@@ -213,11 +223,14 @@ def holds_quantized_dense(
     if asked and form is None:
         raise ConfigError(
             "a checkpoint's dense matrices are held as stored only from a GPTQ or AWQ checkpoint of 4 or 8 bits whose "
-            "groups divide their inputs, or an FP8 checkpoint quantized alike throughout, with scales per tensor, per "
-            "channel, or a block that tiles them"
+            "groups divide their inputs (each rank's share of them, without act-order, over tensor-parallel ranks), or "
+            "an FP8 checkpoint quantized alike throughout, with scales per tensor, per channel, or a block that tiles "
+            "them"
         )
-    if asked and ranks > 1:
-        raise ConfigError("matrices held as stored are not split over tensor-parallel ranks (they load dequantized)")
+    if asked and over_ranks:
+        raise ConfigError(
+            "FP8 matrices held as stored are not split over tensor-parallel ranks (they load dequantized)"
+        )
     if asked and form != "int" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         raise ConfigError("an FP8 checkpoint's matrices are held as stored on a GPU with FP8 (sm_89 or later) only")
     if asked and form == "rows" and device.type == "cuda" and dtype != torch.bfloat16:
@@ -488,7 +501,9 @@ def load_model(
             raise ConfigError(f"--model {path}: a GGUF file's experts load dequantized, not held quantized")
         # (Its dense matrices are held in their blocks' codes where they are all Q8_0 or all Q4_0, and where the
         # kernels that read them run: holds_quantized_dense's rule for GPTQ's codes.)
-        hold = holds_quantized_dense(quantized_dense, "int", dev, tensor_parallel.size, torch_dtype)
+        if quantized_dense and tensor_parallel.size > 1:
+            raise ConfigError(f"--model {path}: a GGUF file's blocks are not held over tensor-parallel ranks")
+        hold = tensor_parallel.size == 1 and holds_quantized_dense(quantized_dense, "int", dev, 1, torch_dtype)
         try:
             # (Each weight dequantized and cast as the model takes it: the file's weights are never all in memory.)
             gguf = read_gguf(path, dtype=torch_dtype, hold_dense=hold)
@@ -525,7 +540,7 @@ def load_model(
         held_form = quantized_experts_form(quantized, arch)
         if not holds_quantized_experts(quantized_experts, held_form, dev, tensor_parallel.size):
             held_form = None
-        dense_form = quantized_dense_form(quantized, arch)
+        dense_form = quantized_dense_form(quantized, arch, tensor_parallel.size)
         if not holds_quantized_dense(quantized_dense, dense_form, dev, tensor_parallel.size, torch_dtype):
             dense_form = None
         if quantized is not None and held_form is None and dense_form is None:
@@ -537,7 +552,10 @@ def load_model(
             raise ConfigError("--hf-overrides: classifier_from_token is not split over ranks (--tensor-parallel-size)")
     full_arch = arch
     arch = shard_arch(full_arch, tensor_parallel.size)
-    if not parts_read:
+    # (A packed checkpoint's codes held over ranks are cut once held, in the held layout: GPTQ's and AWQ's packings
+    # of a matrix lie along other dimensions than its rows and inputs.)
+    held_codes = isinstance(quantized, PackedIntCheckpoint) and dense_form is not None
+    if not parts_read and not held_codes:
         tensors = shard_weights(tensors, full_arch, tensor_parallel)
     with torch.device("meta"):
         model = LlamaModel(arch, vocab_rows(full_arch, tensor_parallel.size))
@@ -552,6 +570,8 @@ def load_model(
         if dense_form is not None:
             model.hold_int(quantized.bits, quantized.group_size, quantized.act_order)
         tensors = quantized.dequantized(tensors, keep=model.holds_as_stored)
+        if held_codes:
+            tensors = shard_weights(tensors, full_arch, tensor_parallel)
     elif dense_form is not None:
         assert isinstance(quantized, QuantizedCheckpoint)
         model.hold_fp8(quantized.block if dense_form == "blocks" else None)

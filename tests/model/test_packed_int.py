@@ -23,11 +23,13 @@ from safetensors.torch import load_file, save_file
 
 from boundless.attention import triton_paged
 from boundless.config import ConfigError
+from boundless.model.arch import ModelArch
 from boundless.model.llama import HeldWeightMismatch
-from boundless.model.loader import load_model
+from boundless.model.loader import holds_quantized_dense, load_model, quantized_dense_form
 from boundless.model.packed_int import PackedIntCheckpoint
 from boundless.model.quantized_checkpoint import QuantizedCheckpoint
 from boundless.model.random_model import TinySpec, write_random_model
+from boundless.model.tensor_parallel import TensorParallel
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 
@@ -313,6 +315,47 @@ def test_an_act_order_checkpoint_is_held_with_its_inputs_sorted_by_group(tmp_pat
     save_file(tensors, str(packed / "model.safetensors"))
     with pytest.raises(ConfigError, match="orders its inputs otherwise"):
         load_model(str(packed), quantized_dense=True)
+
+
+@pytest.mark.parametrize(("method", "bits", "v2"), [("awq", 4, False), ("gptq", 4, False), ("gptq", 8, True)])
+def test_each_tensor_parallel_rank_holds_its_share_of_the_codes(
+    tmp_path: Path, method: str, bits: int, v2: bool
+) -> None:
+    """Over two ranks each rank holds its share of every matrix in its bits, cut once held (q/k/v's and gate/up's
+    rows, o's and down's inputs with their groups' scales and zero points): dequantized, a rank's matrices are the
+    rank's share of the checkpoint's weights as the dequantized load cuts them, so its products are that rank's."""
+    packed, reference = _write(tmp_path, method, bits, v2=v2, spec=TinySpec(weight_std=0.3, num_kv_heads=2))
+    for rank in range(2):
+        tp = TensorParallel(rank, 2)
+        held = load_model(str(packed), device=TEST_DEVICE, quantized_dense=True, tensor_parallel=tp)
+        plain = load_model(str(reference), device=TEST_DEVICE, tensor_parallel=tp)
+        for layer, want in zip(held.model.layers, plain.model.layers, strict=True):
+            assert layer.int_form == (bits, 16)
+            for name in ("qkv", "o", "gate_up", "down"):
+                weight = getattr(want, f"{name}_weight")
+                assert getattr(layer, f"{name}_weight").shape == (weight.shape[0], weight.shape[1] * bits // 8)
+                dense = layer.held_stack(name).dequantized(0, torch.float32)
+                assert torch.allclose(dense, weight, rtol=0, atol=1e-6), (rank, name)
+
+
+def test_which_packed_checkpoints_are_held_over_ranks() -> None:
+    """A rank's share of o's and down's inputs must be whole groups (and whole bytes of codes); act-order's input
+    order spans the shares, so it loads dequantized over ranks. FP8 checkpoints are not held over ranks."""
+    arch = ModelArch(
+        model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=1, num_heads=4,
+        num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    assert quantized_dense_form(PackedIntCheckpoint("gptq", 4, 16), arch, ranks=2) == "int"  # (o: 32, down: 48)
+    assert quantized_dense_form(PackedIntCheckpoint("gptq", 4, 32), arch, ranks=2) is None  # (down's 48 inputs)
+    assert quantized_dense_form(PackedIntCheckpoint("gptq", 4, 32), arch) == "int"  # (one rank: 96)
+    assert quantized_dense_form(PackedIntCheckpoint("gptq", 4, 16, act_order=True), arch, ranks=2) is None
+    assert quantized_dense_form(PackedIntCheckpoint("gptq", 4, -1), arch, ranks=2) == "int"
+    cuda = torch.device("cuda")  # (the rule only: nothing runs there)
+    assert holds_quantized_dense(None, "int", cuda, 2, torch.bfloat16) == (triton_paged.triton is not None)
+    assert not holds_quantized_dense(None, "blocks", cuda, 2, torch.bfloat16)
+    with pytest.raises(ConfigError, match="FP8 matrices held as stored are not split"):
+        holds_quantized_dense(True, "blocks", cuda, 2, torch.bfloat16)
 
 
 def test_2_bit_checkpoints_are_not_held_in_their_bits(tmp_path: Path) -> None:
