@@ -189,6 +189,9 @@ class PDCall(InflightCall):
     prefetch_engine: str = ""  # where its stored KV is read ahead while it waits (see Prefetch)
     prefetch_tokens: int = 0  # what that read counts against the engine's prefetch room
     stream_losses: int = 0  # prefills failed with the push they were reading (placed again each time)
+    # Its DE was lost while its PE prefilled: a failover, counted once the call leaves for another DE (at its handoff,
+    # or when a DE restarted meanwhile turns down its Continue), or once it is placed again.
+    lost_decode_engine: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -350,6 +353,7 @@ class PDDispatcher(Dispatcher):
             return []
         if result.status == "unreachable":
             return self.instance_lost(cont.instance_id, f"continue failed: {result.message}")
+        self._count_failover(call)  # (a DE restarted since the call's was lost holds none of it)
         return self._route_decode(call)  # it dropped the call (its first token came too late): resend it
 
     def receive(  # type: ignore[override]
@@ -368,7 +372,7 @@ class PDDispatcher(Dispatcher):
             shown = dataclasses.replace(delta, finished=False, finish_reason=None, stop_reason=None)
             call.phase = "continuing"  # the PE is done with it: its room there (and its tokens) free for the queue
             if not self.views[call.decode_engine].alive:  # lost while the PE prefilled: the call fails over now
-                self.num_failovers += 1
+                self._count_failover(call)
                 call.prepared = False
                 return shown, self._route_decode(call) + self._place()
             call.instance = call.decode_engine
@@ -424,7 +428,8 @@ class PDDispatcher(Dispatcher):
             elif de_lost and call.phase in ("continuing", "decoding"):
                 self.num_failovers += 1
                 decisions += self._route_decode(call)
-            # A DE lost while its PE prefills: the PE's stream fails, and the handoff goes elsewhere.
+            elif de_lost and call.phase == "prefilling":
+                call.lost_decode_engine = True  # (the PE's stream fails, and the handoff goes elsewhere: counted then)
         for call in reversed(requeue):
             self.num_failovers += 1
             self._reset(call)
@@ -689,7 +694,13 @@ class PDDispatcher(Dispatcher):
     @staticmethod
     def _reset(call: PDCall) -> None:
         call.phase, call.prefill_engine, call.decode_engine, call.instance = "queued", "", "", ""
-        call.prepared = False
+        call.prepared, call.lost_decode_engine = False, False  # (placed again: counted as a failover there)
+
+    def _count_failover(self, call: PDCall) -> None:
+        """A call whose DE was lost while its PE prefilled leaves for another DE: one failover."""
+        if call.lost_decode_engine:
+            self.num_failovers += 1
+            call.lost_decode_engine = False
 
     def _stored_estimate(self, call: PDCall) -> int:
         """Tokens of the call's prompt likely in the store: the full blocks it shares with its program's last call,

@@ -56,9 +56,10 @@ class PackedIntCheckpoint:
     # Every layer's matrices packed alike: no per-module overrides, and none of them left unquantized (AWQ's
     # ``modules_to_not_convert`` naming only heads and routers). Only then are they held in their bits (:meth:`holds`).
     uniform: bool = True
-    # GPTQModel's ``dynamic``: (pattern, overrides) in the config's order. A module whose name the first matching
-    # pattern matches (``re.match``) is packed with the overrides (bits, group_size, desc_act), or, for a pattern
-    # written ``-:…``, left unquantized; as vLLM reads them.
+    # GPTQModel's ``dynamic``: (pattern, overrides) in the config's order. A module whose checkpoint name the first
+    # matching pattern matches (``re.match``) is packed with the overrides (bits, group_size, desc_act), or, for a
+    # pattern written ``-:…``, left unquantized: vLLM's rule, which matches its own fused modules' names (qkv_proj);
+    # here each packed module's own, as GPTQModel packed it (q_proj).
     dynamic: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
 
     @staticmethod
@@ -118,7 +119,7 @@ class PackedIntCheckpoint:
                 continue
             packing = self.of_layer(layer)
             if packing is None:
-                raise ValueError(f"{layer}: packed, where the checkpoint's dynamic settings leave it unquantized")
+                raise ConfigError(f"{layer}: packed, where the checkpoint's dynamic settings leave it unquantized")
             parts = waiting.setdefault(layer, {})
             parts[part] = tensor
             if packing.parts_needed() <= parts.keys():
@@ -235,8 +236,9 @@ def _check_bits(bits: int) -> None:
 
 
 def _dynamic(dynamic: object) -> tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]:
-    """GPTQModel's ``dynamic`` setting, checked: patterns that compile, and overrides of bits, group_size, desc_act
-    and sym (the last read nowhere: zero points are stored either way) that load."""
+    """GPTQModel's ``dynamic`` setting, checked: patterns that compile, and overrides of bits and group_size that
+    load. Of the overrides only bits, group_size and desc_act change how a module is stored; the rest are left
+    (sym: zero points are stored either way), as vLLM leaves them."""
     if not dynamic:
         return ()
     if not isinstance(dynamic, Mapping):
@@ -247,10 +249,9 @@ def _dynamic(dynamic: object) -> tuple[tuple[str, tuple[tuple[str, Any], ...]], 
             re.compile(str(pattern).removeprefix("-:").removeprefix("+:"))
         except re.error as e:
             raise ConfigError(f"this GPTQ checkpoint's dynamic pattern {pattern!r} is not a regex: {e}") from None
-        overrides = dict(overrides or {})
-        unknown = sorted(set(overrides) - {"bits", "group_size", "desc_act", "sym"})
-        if unknown:
-            raise ConfigError(f"this GPTQ checkpoint's dynamic pattern {pattern!r} overrides {unknown}: not read here")
+        if not isinstance(overrides, Mapping | None):
+            raise ConfigError(f"this GPTQ checkpoint's dynamic pattern {pattern!r} gives {overrides!r}, not settings")
+        overrides = {k: v for k, v in (overrides or {}).items() if k in ("bits", "group_size", "desc_act")}
         _check_bits(int(overrides.get("bits", 4)))
         _check_group("gptq", int(overrides.get("group_size", -1)))
         rules.append((str(pattern), tuple(sorted(overrides.items()))))

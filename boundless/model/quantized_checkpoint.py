@@ -69,7 +69,8 @@ class QuantizedCheckpoint:
         if method in ("gptq", "awq"):
             packed = PackedIntCheckpoint.of(method, quant)
             # (AWQ's modules left in 16 bits: a layer's matrix among them keeps the layers from being held.)
-            uniform = packed.uniform and _leaves_layers_quantized(quant.get("modules_to_not_convert"))
+            layers = int(config.get("num_hidden_layers") or 1)
+            uniform = packed.uniform and _awq_leaves_layers_quantized(quant.get("modules_to_not_convert"), layers)
             return dataclasses.replace(packed, uniform=uniform)
         if method == "mxfp4":
             if config.get("model_type") != "gpt_oss":  # (its layout is gpt-oss's stacked experts')
@@ -182,6 +183,22 @@ def _leaves_layers_quantized(unquantized: object) -> bool:
         elif entry.rsplit(".", 1)[-1] not in _NOT_DENSE and "expert" not in entry:
             return False
     return True
+
+
+# A layer's dense matrices as AutoAWQ and vLLM name them (vLLM: fused q/k/v and gate/up).
+_DENSE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.qkv_proj", "self_attn.o_proj",
+          "mlp.gate_proj", "mlp.up_proj", "mlp.gate_up_proj", "mlp.down_proj")  # fmt: skip
+
+
+def _awq_leaves_layers_quantized(unquantized: object, num_layers: int) -> bool:
+    """Whether AWQ's ``modules_to_not_convert`` leaves every layer's attention and MLP matrices quantized: AutoAWQ and
+    vLLM leave a module unquantized if any entry is a part of its name (``mlp.gate`` is of ``mlp.gate_proj``'s)."""
+    if unquantized is None:
+        return True
+    if not isinstance(unquantized, list):
+        return False
+    names = [f"model.layers.{i}.{m}" for i in range(num_layers) for m in _DENSE]
+    return not any(str(entry) in name for entry in unquantized for name in names)
 
 
 def _compressed_tensors_block(quant: Mapping[str, Any]) -> tuple[int, int] | None:

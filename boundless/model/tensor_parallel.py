@@ -151,7 +151,7 @@ def shard_plan(name: str, shape: Sequence[int], arch: ModelArch, tp: TensorParal
         return ShardPlan(0, (mine(0, inter), mine(inter, inter)))
     if module in ("o_proj", "down_proj", "w2") and name.endswith(".weight"):
         return ShardPlan(1, (mine(0, shape[1]),))  # (held in 4 or 8 bits: codes [out, in * bits / 8], cut alike)
-    if module in ("o_proj", "down_proj") and name.endswith((".weight_scale", ".weight_zero")):
+    if module in ("o_proj", "down_proj") and name.endswith((".weight_scale", ".weight_zero")) and len(shape) == 2:
         # (A held matrix's scales and zero points a group of inputs, [out, groups]: the rank's groups; one group of
         # all the inputs, every rank's.)
         return None if shape[1] == 1 else ShardPlan(1, (mine(0, shape[1]),))

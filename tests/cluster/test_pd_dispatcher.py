@@ -381,6 +381,26 @@ def test_a_de_lost_while_its_pe_prefills_gets_the_handoff_elsewhere_as_a_resumed
     assert shown is not None and shown.finished
 
 
+def test_a_de_lost_and_restarted_before_the_handoff_counts_its_call_as_failed_over_once() -> None:
+    """The lost DE is back before the PE hands off: the call's Continue goes to it, which holds none of the call and
+    turns it down, and the call goes on at the other DE: one failover, counted as it leaves."""
+    now = [100.0]
+    d = dispatcher(des=2, restarts=RestartPolicy(delay_s=1.0, max_restarts=1), clock=lambda: now[0])
+    prepare, _ = prepared(d, "a", list(range(40)), IntakeAnswer(0))
+    lost = prepare.instance_id
+    d.instance_lost(lost, "gone")
+    now[0] = 101.0
+    assert d.restarts_due() == [Restart(lost, 1)]
+    d.instance_ready(lost)
+    assert d.num_failovers == 0  # (not yet: the call may still go on where it was placed)
+    _, (cont,) = d.receive("p0", delta("a", [7], "x", "handoff"))
+    assert isinstance(cont, Continue) and cont.instance_id == lost
+    (send,) = d.continue_done(cont, AddResult("failed", "instance holds no prepared call"))
+    assert isinstance(send, Send) and send.instance_id != lost and send.resume is not None
+    assert d.num_failovers == 1
+    assert d.add_done(send, OK) == [] and d.num_failovers == 1
+
+
 def test_a_prefill_failed_with_its_push_places_the_call_again_and_loses_no_token() -> None:
     d = dispatcher(des=2)
     prepare, _ = prepared(d, "a", list(range(64)), IntakeAnswer(0, push_blocks=3, push_from=0))

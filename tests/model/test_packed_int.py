@@ -178,13 +178,30 @@ def test_gptqmodels_per_module_settings_are_read(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="dense matrices are held as stored only"):
         load_model(str(packed), quantized_dense=True)
     config = json.loads((packed / "config.json").read_text())
+    rules = config["quantization_config"]["dynamic"]
     config["quantization_config"]["dynamic"] = {"+:.*(": {"bits": 8}}
     with pytest.raises(ConfigError, match="not a regex"):
         QuantizedCheckpoint.of(config)
+    # Settings that do not change how a module is stored are left, as vLLM leaves them.
+    config["quantization_config"]["dynamic"] = {k: {**v, "damp_percent": 0.1} for k, v in rules.items()}
+    assert QuantizedCheckpoint.of(config) == packing
+    # A module the settings leave unquantized but that comes packed is named.
+    config["quantization_config"]["dynamic"] = {**rules, "-:.*layers\\.1\\.self_attn\\.q_proj$": {}}
+    (packed / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"layers\.1\.self_attn\.q_proj: packed, where"):
+        load_model(str(packed))
 
 
 @pytest.mark.parametrize(
-    ("unquantized", "holds"), [(None, True), (["lm_head"], True), (["mlp.gate"], True), (["self_attn.o_proj"], False)]
+    ("unquantized", "holds"),
+    [
+        (None, True),
+        (["lm_head"], True),
+        (["visual"], True),
+        (["self_attn.o_proj"], False),
+        (["mlp.gate"], False),  # (a part of mlp.gate_proj's name: AutoAWQ and vLLM leave gate_proj unquantized too)
+        (["layers.1."], False),
+    ],
 )
 def test_awq_modules_left_in_16_bits_keep_the_layers_from_being_held_only_if_they_are_a_layers(
     unquantized: list[str] | None, holds: bool
@@ -192,7 +209,8 @@ def test_awq_modules_left_in_16_bits_keep_the_layers_from_being_held_only_if_the
     """AWQ's ``modules_to_not_convert``: a head or a router left in 16 bits is no layer's matrix; an attention or MLP
     matrix left so keeps the layers' matrices from being held in their bits (read up front: not a failed load)."""
     quant = {"quant_method": "awq", "bits": 4, "group_size": 16, "version": "gemm", "zero_point": True}
-    packing = QuantizedCheckpoint.of({"quantization_config": {**quant, "modules_to_not_convert": unquantized}})
+    config = {"num_hidden_layers": 2, "quantization_config": {**quant, "modules_to_not_convert": unquantized}}
+    packing = QuantizedCheckpoint.of(config)
     assert isinstance(packing, PackedIntCheckpoint) and packing.holds([64, 128]) == holds
 
 
