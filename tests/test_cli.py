@@ -66,7 +66,7 @@ def _serve(*args: str) -> Iterator[str]:
         proc.wait(timeout=30)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
 def test_serve_stops_its_engine_on_sigterm_and_sigint(model_dirs: dict[str, Path], sig: signal.Signals) -> None:
     """What systemd, Docker and Kubernetes send (SIGTERM) shuts the engine down as Ctrl-C does: uvicorn raised SIGTERM
     again under its default handler once it had stopped, which ended the process before the engine's shutdown (the

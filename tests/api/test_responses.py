@@ -305,7 +305,7 @@ def _said(output: list[Any]) -> list[tuple[Any, ...]]:
     ]
 
 
-@pytest.mark.parametrize("forced", ["text then two calls", "required"])
+@pytest.mark.parametrize("forced", ["text then two calls", pytest.param("required", marks=pytest.mark.slow)])
 def test_a_response_cut_off_in_its_calls_is_incomplete_with_the_calls_as_far_as_they_got(
     client: openai.OpenAI, forced: str
 ) -> None:

@@ -22,6 +22,9 @@ from boundless.model.loader import LoadedModel
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
+# (20 s of Ray and split engines: the cluster fails over in test_cluster.py, split engines answer in
+# test_tensor_parallel_ranks.py.)
+@pytest.mark.slow
 def test_instances_of_a_split_model_answer_as_one_engine_and_fail_over(
     model_dirs: dict[str, Path], tiny_llama: LoadedModel
 ) -> None:

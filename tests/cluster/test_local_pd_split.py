@@ -191,6 +191,7 @@ def test_a_split_engine_that_loses_a_rank_is_restarted_and_hands_off_again(
         pd.shutdown()
 
 
+@pytest.mark.slow  # (7 s of split engines)
 def test_a_prefill_step_that_fails_before_its_forward_pass_ends_every_ranks_sends(model_dirs: dict[str, Path]) -> None:
     """Rank 0's step fails after its moves went to the ranks and before its forward pass: every rank's layerwise sends
     of the step fail with it (else the other ranks' stayed open, the send was never reported, and the prefill engine

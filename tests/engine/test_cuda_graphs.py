@@ -456,6 +456,7 @@ def test_async_windows_in_the_served_loop_take_arrivals_and_aborts(tiny_llama: L
     assert core.kv.pool.num_free == core.kv.pool.num_blocks and not core.scheduler.in_flight
 
 
+@pytest.mark.slow  # (6 s)
 def test_a_failed_window_in_the_served_loop_fails_the_window_queued_behind_it(tiny_llama: LoadedModel) -> None:
     """Asynchronous scheduling in the served loop: a window whose read-back raises while the window after it is
     queued fails the requests of both (an error each, once), and the loop goes on: a later request gets its tokens and
@@ -759,6 +760,7 @@ def test_a_step_decided_ahead_may_follow_with_none_of_its_rows(tiny_llama: Loade
     assert followed_by_none == [["C"]]
 
 
+@pytest.mark.slow  # (9 s)
 def test_a_step_decided_ahead_that_samples_on_the_host_runs_behind_the_step_it_follows(
     tiny_llama: LoadedModel,
 ) -> None:

@@ -285,6 +285,7 @@ def test_a_failure_in_rank_0s_forward_pass_stops_the_engine(model_dirs: dict[str
     assert torch.get_num_threads() == threads  # (rank 0's share of the threads is given back)
 
 
+@pytest.mark.slow  # (6 s)
 def test_one_loaded_network_is_rank_0_of_one_engine_at_a_time(model_dirs: dict[str, Path]) -> None:
     """A second engine on the same network would take over the first's sums (the first's steps would wait for ranks
     that never run them): refused; once the first is closed the network is free again."""
@@ -334,7 +335,7 @@ def test_cpu_threads_are_shared_while_split_engines_run_and_given_back_after_the
     assert counts[0] == 8
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_lora_adapters_on_two_ranks_answer_as_on_one_device(
     model_dirs: dict[str, Path], load: Callable[[str], LoadedModel], tmp_path: Path, dtype: str
 ) -> None:
@@ -393,6 +394,7 @@ def test_smollm2_from_its_gguf_file_on_three_ranks_answers_as_transformers(
         core.close()
 
 
+@pytest.mark.slow  # (6 s of four ranks; the replicas are cut in tests/model/test_tensor_parallel.py)
 def test_four_ranks_over_two_key_value_heads_answer_as_transformers(
     model_dirs: dict[str, Path], load: Callable[[str], LoadedModel], hf_model: Callable[[str], Any]
 ) -> None:
@@ -437,6 +439,7 @@ def test_prompt_logprobs_and_logprobs_on_two_ranks_are_one_devices(model_dirs: d
             assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
 
 
+@pytest.mark.slow  # (5 s)
 def test_an_8_bit_kv_cache_on_two_ranks_answers_as_on_one_device(model_dirs: dict[str, Path]) -> None:
     """``--kv-cache-dtype fp8``: each rank rounds its heads' keys and values as one device rounds them all, its swaps
     to host memory move them as bytes; the answers are one device's."""

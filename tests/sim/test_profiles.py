@@ -488,6 +488,7 @@ def test_a_validated_simulation_is_a_function_of_its_flags() -> None:
         assert first == simulate(config, programs, profile, cluster) and first["avg_latency_s"] > 0
 
 
+@pytest.mark.slow  # (7 s)
 def test_validate_prints_a_row_per_case_and_metric_with_the_measured_spread(
     model_dirs: dict[str, Path], tmp_path: Path
 ) -> None:
