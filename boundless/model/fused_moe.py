@@ -100,14 +100,30 @@ def group_by_expert(experts: torch.Tensor, num_experts: int, block_m: int) -> Ex
     return ExpertGroups(sorted_slots, block_experts, total.to(torch.int32), block_m, n)
 
 
+# one_expert's groups by (rows, block, device): every held matrix of a step takes the same (three small launches
+# each, four matrices a layer, else). Bounded: a server's steps take a few hundred sizes at most.
+_ONE_EXPERT: dict[tuple[int, int, torch.device], ExpertGroups] = {}
+_ONE_EXPERT_SIZES = 1024
+
+
 def one_expert(num_rows: int, block_m: int, device: torch.device) -> ExpertGroups:
     """``num_rows`` rows that all chose expert 0, in order (a dense matrix's product through the experts' kernel):
-    row ``r`` is slot ``r``, the last block padded."""
+    row ``r`` is slot ``r``, the last block padded. Made once for each size (the kernel only reads them), except
+    while a CUDA graph is captured: tensors made then hold their values only as the graph replays."""
+    key = (num_rows, block_m, device)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if not capturing and (groups := _ONE_EXPERT.get(key)) is not None:
+        return groups
     size = -(-num_rows // block_m) * block_m
     sorted_slots = torch.arange(size, dtype=torch.int32, device=device).clamp_(max=num_rows)
     block_experts = torch.zeros(size // block_m, dtype=torch.int32, device=device)
     total = torch.full((1,), size, dtype=torch.int32, device=device)
-    return ExpertGroups(sorted_slots, block_experts, total, block_m, num_rows)
+    groups = ExpertGroups(sorted_slots, block_experts, total, block_m, num_rows)
+    if not capturing:
+        if len(_ONE_EXPERT) >= _ONE_EXPERT_SIZES:
+            _ONE_EXPERT.clear()
+        _ONE_EXPERT[key] = groups
+    return groups
 
 
 if triton is not None:

@@ -252,6 +252,16 @@ def test_a_dense_fp8_matrix_in_blocks_gives_the_product_of_its_dequantized_weigh
 
 
 @pytest.mark.skipif(not _TRITON_RUNS, reason="triton unavailable")
+def test_one_experts_groups_are_made_once_for_each_size() -> None:
+    """Every held matrix of a step takes the same groups (a dense product is one expert every row chose): made once
+    for each number of rows and block, not three launches a product."""
+    groups = fused_moe.one_expert(37, 16, DEVICE)
+    assert fused_moe.one_expert(37, 16, DEVICE) is groups
+    assert fused_moe.one_expert(36, 16, DEVICE) is not groups and fused_moe.one_expert(37, 64, DEVICE) is not groups
+    assert groups.sorted_slots.tolist() == list(range(37)) + [37] * 11  # (the last block's padding: no slot)
+    assert groups.block_experts.tolist() == [0, 0, 0] and groups.num_rows.tolist() == [48]
+
+
 def test_a_dense_fp8_product_reads_its_input_rows_by_their_stride() -> None:
     """A view's rows (q/k/v's slice of a wider tensor, a stride past their width) and rows past a multiple of the
     kernel's row block: each row's product is its own, whatever rows share the call."""
