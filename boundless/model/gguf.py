@@ -984,7 +984,7 @@ def load_gguf(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float3
 
 
 def read_gguf(
-    path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32, hold_dense: bool = False
+    path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32, hold_dense: bool = False, ranks: int = 1
 ) -> GGUFWeights:
     """Read a GGUF file: architecture, dequantized weights under Hugging Face names (as they are taken), tokenizer.
 
@@ -996,7 +996,8 @@ def read_gguf(
     ``dtype`` is what the returned tensors are cast to after float32 dequantization, each as it is dequantized.
     ``hold_dense``: the layers' dense matrices come as their blocks' codes, scales and zero points where every one of
     them is of one type of :data:`~boundless.model.gguf_quants.HELD_BITS` (Q8_0 or Q4_0; ``held`` says so), to be held
-    so (``LlamaModel.hold_int``); else, and the rest, dequantized.
+    so (``LlamaModel.hold_int``), and, cut over ``ranks`` tensor-parallel ranks, each rank's share of o's and down's
+    inputs whole blocks; else, and the rest, dequantized.
     """
     path = Path(path)
     buf = _map(path)
@@ -1030,7 +1031,11 @@ def read_gguf(
     dense = [info for info in wanted if _DENSE_MATRIX.fullmatch(hf_tensor_name(info.name, model_type) or "")]
     qtypes = {info.qtype for info in dense}
     held = None
-    if hold_dense and len(qtypes) == 1 and (qtype := next(iter(qtypes))) in HELD_BITS:
+    # (The row-parallel matrices' inputs, o's and a dense MLP's down's, are cut over the ranks: whole blocks each.)
+    dense_mlp = len(arch.sparse_layers) < arch.num_layers
+    row_parallel = [arch.num_heads * arch.head_dim] + ([arch.intermediate_size] if dense_mlp else [])
+    whole_blocks = all(n % ranks == 0 and n // ranks % HELD_GROUP == 0 for n in row_parallel)
+    if hold_dense and whole_blocks and len(qtypes) == 1 and (qtype := next(iter(qtypes))) in HELD_BITS:
         held = (HELD_BITS[qtype], HELD_GROUP)
     held_names = {info.name for info in dense} if held else set()
 

@@ -501,19 +501,17 @@ def load_model(
             raise ConfigError(f"--model {path}: a GGUF file's experts load dequantized, not held quantized")
         # (Its dense matrices are held in their blocks' codes where they are all Q8_0 or all Q4_0, and where the
         # kernels that read them run: holds_quantized_dense's rule for GPTQ's codes.)
-        if quantized_dense and tensor_parallel.size > 1:
-            raise ConfigError(f"--model {path}: a GGUF file's blocks are not held over tensor-parallel ranks")
-        hold = tensor_parallel.size == 1 and holds_quantized_dense(quantized_dense, "int", dev, 1, torch_dtype)
+        hold = holds_quantized_dense(quantized_dense, "int", dev, tensor_parallel.size, torch_dtype)
         try:
             # (Each weight dequantized and cast as the model takes it: the file's weights are never all in memory.)
-            gguf = read_gguf(path, dtype=torch_dtype, hold_dense=hold)
+            gguf = read_gguf(path, dtype=torch_dtype, hold_dense=hold, ranks=tensor_parallel.size)
         except _UNREADABLE_GGUF as e:
             raise ConfigError(f"--model {path}: not a GGUF file this reads ({type(e).__name__}: {e})") from None
         arch, tokenizer = gguf.arch, gguf.tokenizer
         if quantized_dense and gguf.held is None:
             raise ConfigError(
                 f"--model {path}: a GGUF file's dense matrices are held in their blocks only where they are all Q8_0 "
-                "or all Q4_0"
+                "or all Q4_0 (and over tensor-parallel ranks, each rank's share of a row's inputs whole blocks of 32)"
             )
         gguf_held = gguf.held
         dense_form = None if gguf_held is None else "int"

