@@ -101,7 +101,8 @@ def group_by_expert(experts: torch.Tensor, num_experts: int, block_m: int) -> Ex
 
 
 # one_expert's groups by (rows, block, device): every held matrix of a step takes the same (three small launches
-# each, four matrices a layer, else). Bounded: a server's steps take a few hundred sizes at most.
+# each, four matrices a layer, else). Bounded: a step's rows may be any number up to its token budget, each size a
+# few KB of int32s.
 _ONE_EXPERT: dict[tuple[int, int, torch.device], ExpertGroups] = {}
 _ONE_EXPERT_SIZES = 1024
 
@@ -111,7 +112,11 @@ def one_expert(num_rows: int, block_m: int, device: torch.device) -> ExpertGroup
     row ``r`` is slot ``r``, the last block padded. Made once for each size (the kernel only reads them), except
     while a CUDA graph is captured: tensors made then hold their values only as the graph replays."""
     key = (num_rows, block_m, device)
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if device.type == "cuda":
+        with torch.cuda.device(device):  # (the capture is of that device's current stream)
+            capturing = torch.cuda.is_current_stream_capturing()
+    else:
+        capturing = False
     if not capturing and (groups := _ONE_EXPERT.get(key)) is not None:
         return groups
     size = -(-num_rows // block_m) * block_m

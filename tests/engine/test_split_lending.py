@@ -112,8 +112,7 @@ def test_split_engines_lend_and_attend_rank_to_rank_with_one_devices_answer(load
     assert c1.rm.lent_blocks == 0 and c2.rm.lent_blocks == 0 and c1.core.kv.pool.num_used == 0
 
 
-@pytest.mark.slow  # (6 s each of split engines; they lend and attend in the fast suite's test above)
-@pytest.mark.parametrize("lost", ["rank 1", "rank 0"])
+@pytest.mark.parametrize("lost", [pytest.param("rank 1", marks=pytest.mark.slow), "rank 0"])  # (6 s each)
 def test_a_round_trip_failing_on_one_rank_fails_the_step_on_every_rank_and_the_request_is_recomputed(
     load, split_cluster, lost: str
 ) -> None:

@@ -1120,18 +1120,21 @@ def test_a_files_dense_matrices_are_held_in_their_blocks_codes(
     assert greedy_tokens(held, backend) == greedy_tokens(plain, backend)
 
 
-def test_each_tensor_parallel_rank_holds_its_share_of_a_files_blocks(tmp_path: Path) -> None:
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0], ids=lambda q: q.name)
+def test_each_tensor_parallel_rank_holds_its_share_of_a_files_blocks(
+    tmp_path: Path, qtype: GGMLQuantizationType
+) -> None:
     """Over two ranks each rank holds its share of every dense matrix in its blocks' codes (q/k/v's and gate/up's rows,
     o's and down's inputs with their blocks' scales): dequantized, each rank's are its share of the file's values as
     the dequantized load cuts them."""
     path = tmp_path / "llama.gguf"
-    write_tiny_gguf(path, tied=False, qtype=GGMLQuantizationType.Q8_0)
+    write_tiny_gguf(path, tied=False, qtype=qtype)
     for rank in range(2):
         tp = TensorParallel(rank, 2)
         held = load_model(str(path), quantized_dense=True, tensor_parallel=tp)
         plain = load_model(str(path), tensor_parallel=tp)
         for layer, want in zip(held.model.layers, plain.model.layers, strict=True):
-            assert layer.int_form == (8, 32)
+            assert layer.int_form == (8 if qtype == GGMLQuantizationType.Q8_0 else 4, 32)
             for name in ("qkv", "o", "gate_up", "down"):
                 dense = layer.held_stack(name).dequantized(0, torch.float32)
                 assert torch.equal(dense, getattr(want, f"{name}_weight")), (rank, name)

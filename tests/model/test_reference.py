@@ -240,7 +240,8 @@ def test_greedy_matches_transformers(ref: Reference, config: str) -> None:
 
 
 # The GPU attention backend (CUDA's default). On the CPU it runs in Triton's interpreter, whose programs run one at a
-# time, on the first three prompts (a one-token prompt, and two that share a prefix: 19 s with all nine here):
+# time, on the first three prompts (two tokens, and two that share a prefix: 19 s with all nine here), in prefill
+# chunks of 16 tokens (chunks of one prompt, and of two beside each other, as the nine took in chunks of 64):
 # tiny-llama (grouped-query heads, llama3 rope scaling) in the fast suite, so that the default GPU path's outputs are
 # checked against transformers on every change; tiny-qwen2 (a kv head per head), tiny-qwen3 (its head norm), the MoE
 # model and the rest in the slow one; smollm2 not at all (30 layers). The kernels' own tests against dense attention
@@ -281,8 +282,9 @@ def test_greedy_matches_transformers_on_the_triton_kernels(
     if loaded.device.type == "cpu" and name == "smollm2-135m":
         pytest.skip("30 layers in Triton's interpreter: too slow for the CPU")
     ref = _reference(name, load, hf_model)
-    core = _engine(loaded, attention_backend="triton", max_num_batched_tokens=64)
-    count = 3 if loaded.device.type == "cpu" else len(ref.prompts)
+    on_cpu = loaded.device.type == "cpu"
+    core = _engine(loaded, attention_backend="triton", max_num_batched_tokens=16 if on_cpu else 64)
+    count = 3 if on_cpu else len(ref.prompts)
     got = _run_greedy(core, ref.prompts[:count])
     for i, (ours, theirs) in enumerate(zip(got, ref.tokens[:count], strict=True)):
         assert ours == theirs, f"prompt {i} ({len(ref.prompts[i])} tokens) diverges"
