@@ -74,8 +74,12 @@ def test_every_test_the_script_names_is_collected(collected: list[dict], index: 
     assert paths and all(Path(SCRIPT.parents[1], p.split("::")[0]).is_file() for p in paths)
     result = collected[index]
     assert result["code"] == 0, args
-    # Every file the call names has a test it selects (a -k that matches nothing in a file drops it silently).
-    assert {p.split("::")[0] for p in paths} <= {nodeid.split("::")[0] for nodeid in result["ids"]}
+    # Every file the call names has a test it selects (a -k that matches nothing in a file drops it silently), and
+    # so has every test it names (one a -k deselects would go unseen beside the file's others).
+    ids = result["ids"]
+    assert {p.split("::")[0] for p in paths} <= {nodeid.split("::")[0] for nodeid in ids}
+    for path in (p for p in paths if "::" in p):
+        assert any(nid == path or nid.startswith((path + "[", path + "::")) for nid in ids), path
 
 
 def _call_id(args: list[str]) -> str:
