@@ -86,8 +86,10 @@ def test_a_split_prefill_engine_hands_each_ranks_share_to_the_decode_engines_ran
         pd.shutdown()
 
 
-# (Each 9-15 s of engines split over processes: one of a pair in the fast suite, the other in the slow one.)
-@pytest.mark.parametrize("layerwise", [pytest.param("off", marks=pytest.mark.slow), "on"])
+# (Each 9-15 s of engines split over processes: the slow suite; the first hand-off above is the fast suite's, a lost
+# engine's restart test_local_pd_restart.py's.)
+@pytest.mark.slow
+@pytest.mark.parametrize("layerwise", ["off", "on"])
 def test_a_split_decode_engine_pushes_what_the_prefill_engine_lacks_rank_to_rank(
     model_dirs: dict[str, Path], tmp_path: Path, layerwise: str
 ) -> None:
@@ -142,7 +144,8 @@ def test_a_split_decode_engine_pushes_what_the_prefill_engine_lacks_rank_to_rank
         pd.shutdown()
 
 
-@pytest.mark.parametrize("lost", ["d0", pytest.param("p0", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("lost", ["d0", "p0"])
 def test_a_split_engine_that_loses_a_rank_is_restarted_and_hands_off_again(
     model_dirs: dict[str, Path], lost: str
 ) -> None:

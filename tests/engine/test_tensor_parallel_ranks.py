@@ -416,6 +416,7 @@ def test_four_ranks_over_two_key_value_heads_answer_as_transformers(
         core.close()
 
 
+@pytest.mark.slow  # (3 s)
 def test_prompt_logprobs_and_logprobs_on_two_ranks_are_one_devices(model_dirs: dict[str, Path]) -> None:
     """With the vocabulary split every rank computes its columns of the logits rank 0 computes, the prompt's rows
     among them (each rank scores the same spans in the same order): the figures are one device's, within rounding."""

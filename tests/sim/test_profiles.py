@@ -248,6 +248,7 @@ def test_calibration_programs_are_a_run_per_workload_of_other_seeds_than_validat
         calibration_programs(argparse.Namespace(**{**vars(args), "workloads": "chat,nope"}))
 
 
+@pytest.mark.slow  # (6 s; a served engine's steps are fitted in the test above)
 def test_calibrate_served_fits_served_programs_steps_and_holds_out_others(tiny_llama: LoadedModel) -> None:
     # calibrate --served --workloads: programs through the same server, their steps fitted with the grid's, and other
     # programs' steps held out and measured against the fit.
