@@ -292,20 +292,24 @@ def test_greedy_matches_transformers_on_the_triton_kernels(
 
 # FlexAttention (``--attention-backend flex``): on the CPU its eager reference scores every query against the whole
 # pool, so the pool is kept just large enough for the prompts; on CUDA it runs compiled (scripts/gpu-check.sh).
+# (On the CPU the fast suite runs the models whose attention Flex takes otherwise: windows, capped scores, sinks,
+# Gemma 3's kinds of layer; the others' layers, 2-3 s each here, are the native path's in the fast suite and Flex's in
+# the slow one.)
+_SLOW_ON_CPU = pytest.mark.slow if _ON_CPU else ()
 FLEX_MODELS = [
     "tiny-llama",
-    "tiny-qwen2",
-    "tiny-qwen3",
-    "tiny-qwen3-moe",
+    pytest.param("tiny-qwen2", marks=_SLOW_ON_CPU),
+    pytest.param("tiny-qwen3", marks=_SLOW_ON_CPU),
+    pytest.param("tiny-qwen3-moe", marks=_SLOW_ON_CPU),
     "tiny-mistral-window",  # (each window's block mask)
     "tiny-qwen2-window",
     "tiny-gemma3",
     "tiny-gemma2",  # (its cap of the scores, a score_mod)
-    "tiny-granite",
-    "tiny-glm4",
+    pytest.param("tiny-granite", marks=_SLOW_ON_CPU),
+    pytest.param("tiny-glm4", marks=_SLOW_ON_CPU),
     "tiny-gpt-oss",
-    "tiny-smollm3",
-    "tiny-glm4-moe",
+    pytest.param("tiny-smollm3", marks=_SLOW_ON_CPU),
+    pytest.param("tiny-glm4-moe", marks=_SLOW_ON_CPU),
     pytest.param("smollm2-135m", marks=pytest.mark.slow),
 ]
 
