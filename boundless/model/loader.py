@@ -31,6 +31,7 @@ from boundless.model.tensor_parallel import (
     ONE_DEVICE,
     ShardPlan,
     TensorParallel,
+    kv_replicas,
     shard_arch,
     shard_plan,
     shard_weights,
@@ -195,6 +196,14 @@ def quantized_dense_form(quantized: object, arch: ModelArch, ranks: int = 1) -> 
     if quantized.block is None:  # (``_scaled_mm``'s sides: multiples of 16; scales a group of inputs: dequantized)
         return "rows" if quantized.per_row and all(side % 16 == 0 for side in outputs + inputs) else None
     rows, cols = quantized.block
+    if ranks > 1:
+        # (Over ranks, a rank's share of each matrix in whole blocks: q/k/v's and gate/up's rows, o's and down's
+        # inputs. A checkpoint's fused matrices, Phi-3's q/k/v, are cut by row offsets its scales do not follow.)
+        replicas = kv_replicas(arch, ranks)
+        if arch.fused_projections or any(n % ranks for n in (q_size, kv_size * replicas, *inputs[1:], *outputs[3:])):
+            return None
+        outputs = [q_size // ranks, kv_size * replicas // ranks, arch.hidden_size, *(n // ranks for n in outputs[3:])]
+        inputs = [inputs[0], *(n // ranks for n in inputs[1:])]
     tiled = all(side % rows == 0 for side in outputs) and all(side % cols == 0 for side in inputs)
     whole_heads = not arch.rope_interleaved or rows % arch.head_dim == 0
     return "blocks" if tiled and whole_heads and cols >= 16 and not cols & (cols - 1) else None
@@ -210,7 +219,7 @@ def holds_quantized_dense(
     a GPU with FP8 (sm_89 or later: Ada, Hopper), on one rank, scales a block in the Triton kernel, scales per row in
     ``_scaled_mm``, which writes bfloat16 only. Asked of a checkpoint whose matrices cannot be, or of FP8 ones over
     ranks, it is refused."""
-    over_ranks = ranks > 1 and form != "int"
+    over_ranks = ranks > 1 and form not in ("int", "blocks")
     if asked is None:
         if form is None or device.type != "cuda" or over_ranks:
             return False
@@ -229,7 +238,8 @@ def holds_quantized_dense(
         )
     if asked and over_ranks:
         raise ConfigError(
-            "FP8 matrices held as stored are not split over tensor-parallel ranks (they load dequantized)"
+            "FP8 matrices with a scale per tensor or channel held as stored are not split over tensor-parallel ranks "
+            "(they load dequantized)"
         )
     if asked and form != "int" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         raise ConfigError("an FP8 checkpoint's matrices are held as stored on a GPU with FP8 (sm_89 or later) only")
@@ -550,9 +560,10 @@ def load_model(
             raise ConfigError("--hf-overrides: classifier_from_token is not split over ranks (--tensor-parallel-size)")
     full_arch = arch
     arch = shard_arch(full_arch, tensor_parallel.size)
-    # (A packed checkpoint's codes held over ranks are cut once held, in the held layout: GPTQ's and AWQ's packings
-    # of a matrix lie along other dimensions than its rows and inputs.)
-    held_codes = isinstance(quantized, PackedIntCheckpoint) and dense_form is not None
+    # (A quantized checkpoint's matrices held over ranks are cut once held, in the held layout: GPTQ's and AWQ's
+    # packings of a matrix lie along other dimensions than its rows and inputs, and an FP8 checkpoint's scales come
+    # under its own names, NAME.weight_scale once held.)
+    held_codes = quantized is not None and dense_form is not None
     if not parts_read and not held_codes:
         tensors = shard_weights(tensors, full_arch, tensor_parallel)
     with torch.device("meta"):
@@ -574,8 +585,11 @@ def load_model(
         assert isinstance(quantized, QuantizedCheckpoint)
         model.hold_fp8(quantized.block if dense_form == "blocks" else None)
     if isinstance(quantized, QuantizedCheckpoint) and (held_form == "fp8" or dense_form is not None):
-        # (The weights held come as stored, the rest dequantized; on one rank: shard_weights passed them as they are.)
+        # (The weights held come as stored, the rest dequantized; experts held on one rank only: shard_weights passed
+        # them as they are.)
         tensors = quantized.dequantized(tensors, keep=model.holds_as_stored)
+        if held_codes:
+            tensors = shard_weights(tensors, full_arch, tensor_parallel)
     if dev.type == "cuda":
         check_fits(model, torch.cuda.mem_get_info(dev)[0], str(dev))
     model = model.to_empty(device=dev)  # allocated once, in the target dtype

@@ -358,7 +358,7 @@ def test_each_tensor_parallel_rank_holds_its_share_of_the_codes(
 
 def test_which_packed_checkpoints_are_held_over_ranks() -> None:
     """A rank's share of o's and down's inputs must be whole groups (and whole bytes of codes); act-order's input
-    order spans the shares, so it loads dequantized over ranks. FP8 checkpoints are not held over ranks."""
+    order spans the shares, so it loads dequantized over ranks."""
     arch = ModelArch(
         model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=1, num_heads=4,
         num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=64,
@@ -371,9 +371,7 @@ def test_which_packed_checkpoints_are_held_over_ranks() -> None:
     assert quantized_dense_form(PackedIntCheckpoint("gptq", 4, -1), arch, ranks=2) == "int"
     cuda = torch.device("cuda")  # (the rule only: nothing runs there)
     assert holds_quantized_dense(None, "int", cuda, 2, torch.bfloat16) == (triton_paged.triton is not None)
-    assert not holds_quantized_dense(None, "blocks", cuda, 2, torch.bfloat16)
-    with pytest.raises(ConfigError, match="FP8 matrices held as stored are not split"):
-        holds_quantized_dense(True, "blocks", cuda, 2, torch.bfloat16)
+    assert not holds_quantized_dense(None, "rows", cuda, 2, torch.bfloat16)  # (FP8 blocks: test_quantized_checkpoint)
 
 
 def test_2_bit_checkpoints_are_not_held_in_their_bits(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from boundless.config import ConfigError
 from boundless.model.fp8_linear import Fp8Stack
 from boundless.model.loader import load_model
 from boundless.model.random_model import TinySpec, write_random_model
+from boundless.model.tensor_parallel import TensorParallel
 
 FP8_MAX = 448.0
 TEST_DEVICE = os.environ.get("BOUNDLESS_TEST_DEVICE", "cpu")  # (conftest's)
@@ -229,6 +230,47 @@ def test_fp8_experts_are_held_only_in_blocks_the_kernel_tiles() -> None:
 
 # A dense model's FP8 checkpoint held as stored (``quantized_dense``: the default on a GPU with FP8, one rank).
 GLM4 = TinySpec(kind="glm4", num_heads=4, num_kv_heads=2, head_dim=32, seed=16, partial_rotary_factor=0.5)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["kv-split", "kv-replicated"])
+def test_each_tensor_parallel_rank_holds_its_share_of_an_fp8_checkpoints_blocks(tmp_path: Path, kv_heads: int) -> None:
+    """Over two ranks each rank holds its share of every matrix in e4m3 with its blocks' scales, cut once held (q/k/v's
+    and gate/up's rows, o's and down's inputs, whole blocks each; one key/value head held by both ranks): dequantized,
+    each rank's matrices are its share of the reference's weights as the dequantized load cuts them."""
+    spec = TinySpec(weight_std=0.3, num_kv_heads=kv_heads)
+    quantized, reference = _write_pair(tmp_path, "block", spec=spec, block_size=[16, 16])
+    for rank in range(2):
+        tp = TensorParallel(rank, 2)
+        held = load_model(str(quantized), quantized_dense=True, tensor_parallel=tp)
+        plain = load_model(str(reference), tensor_parallel=tp)
+        for layer, want in zip(held.model.layers, plain.model.layers, strict=True):
+            assert layer.fp8_block == (16, 16)
+            for name in ("qkv", "o", "gate_up", "down"):
+                weight, scale = getattr(layer, f"{name}_weight"), getattr(layer, f"{name}_scale")
+                dense = Fp8Stack(weight[None], scale[None], (16, 16)).dequantized(0, torch.float32)
+                assert torch.equal(dense, getattr(want, f"{name}_weight")), (rank, name)
+
+
+def test_which_fp8_checkpoints_are_held_over_ranks() -> None:
+    """A rank's share of every matrix must be whole blocks; a checkpoint's fused matrices (Phi-3's, GLM-4's gate/up)
+    and scales per tensor or channel load dequantized over ranks."""
+    from boundless.model.arch import ModelArch
+    from boundless.model.loader import holds_quantized_dense, quantized_dense_form
+    from boundless.model.quantized_checkpoint import QuantizedCheckpoint
+
+    arch = ModelArch(
+        model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
+        num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    blocks = QuantizedCheckpoint("fp8", (16, 16), uniform=True)
+    assert quantized_dense_form(blocks, arch, ranks=2) == "blocks"
+    assert quantized_dense_form(QuantizedCheckpoint("fp8", (32, 32), uniform=True), arch, ranks=2) is None  # (kv: 16)
+    assert quantized_dense_form(blocks, dataclasses.replace(arch, model_type="phi3"), ranks=2) is None
+    cuda = torch.device("cuda")  # (the rule only: nothing runs there)
+    assert not holds_quantized_dense(None, "rows", cuda, 2, torch.bfloat16)
+    with pytest.raises(ConfigError, match="scale per tensor or channel held as stored are not split"):
+        holds_quantized_dense(True, "rows", cuda, 2, torch.bfloat16)
 
 
 @pytest.mark.parametrize(
