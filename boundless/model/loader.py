@@ -216,9 +216,9 @@ def holds_quantized_dense(
     ``quantized_dense``; ``form``: :func:`quantized_dense_form`'s, judged by a rank's share over ``ranks``): as
     ``asked``, or by default on a GPU where their products run: GPTQ's and AWQ's in the Triton kernel
     (``fused_moe.held_linear``), on any number of ranks, each holding its share of the codes; an FP8 checkpoint's on
-    a GPU with FP8 (sm_89 or later: Ada, Hopper), on one rank, scales a block in the Triton kernel, scales per row in
-    ``_scaled_mm``, which writes bfloat16 only. Asked of a checkpoint whose matrices cannot be, or of FP8 ones over
-    ranks, it is refused."""
+    a GPU with FP8 (sm_89 or later: Ada, Hopper), scales a block in the Triton kernel (each rank its share of the
+    blocks), scales per row in ``_scaled_mm``, which writes bfloat16 only, on one rank. Asked of a checkpoint whose
+    matrices cannot be, or of FP8 ones with scales per row over ranks, it is refused."""
     over_ranks = ranks > 1 and form not in ("int", "blocks")
     if asked is None:
         if form is None or device.type != "cuda" or over_ranks:
@@ -489,7 +489,7 @@ def load_model(
     None: where the GPU path's kernels read them (on CUDA, with Triton, one rank; ``load_configured_model`` asks
     False under ``--attention-backend torch``). ``quantized_dense``: hold a quantized checkpoint's dense matrices
     as it stores them (``LlamaModel.hold_fp8``, ``hold_int``: :func:`quantized_dense_form`), rather than dequantized;
-    None: where their products run, on one rank (:func:`holds_quantized_dense`)."""
+    None: where their products run (:func:`holds_quantized_dense`; over tensor-parallel ranks, each rank its share)."""
     path = resolve_model_path(name)
     check_overrides(path, hf_overrides)
     dev = torch.device(device)
