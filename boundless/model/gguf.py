@@ -38,6 +38,7 @@ from boundless.model.arch import (
     yarn_scaling,
 )
 from boundless.model.gguf_quants import HELD_BITS, HELD_GROUP, dequantize, held_codes
+from boundless.model.tensor_parallel import dense_sides
 from boundless.model.tokenizer import Tokenizer
 
 __all__ = [
@@ -1031,10 +1032,9 @@ def read_gguf(
     dense = [info for info in wanted if _DENSE_MATRIX.fullmatch(hf_tensor_name(info.name, model_type) or "")]
     qtypes = {info.qtype for info in dense}
     held = None
-    # (The row-parallel matrices' inputs, o's and a dense MLP's down's, are cut over the ranks: whole blocks each.)
-    dense_mlp = len(arch.sparse_layers) < arch.num_layers
-    row_parallel = [arch.num_heads * arch.head_dim] + ([arch.intermediate_size] if dense_mlp else [])
-    whole_blocks = all(n % ranks == 0 and n // ranks % HELD_GROUP == 0 for n in row_parallel)
+    # (Each rank's share of every matrix's inputs whole blocks: o's and a dense MLP's down's are cut over the ranks.)
+    sides = dense_sides(arch, ranks)
+    whole_blocks = sides is not None and all(n % HELD_GROUP == 0 for n in sides[1])
     if hold_dense and whole_blocks and len(qtypes) == 1 and (qtype := next(iter(qtypes))) in HELD_BITS:
         held = (HELD_BITS[qtype], HELD_GROUP)
     held_names = {info.name for info in dense} if held else set()

@@ -31,7 +31,7 @@ from boundless.model.tensor_parallel import (
     ONE_DEVICE,
     ShardPlan,
     TensorParallel,
-    kv_replicas,
+    dense_sides,
     shard_arch,
     shard_plan,
     shard_weights,
@@ -179,31 +179,23 @@ def quantized_dense_form(quantized: object, arch: ModelArch, ranks: int = 1) -> 
     as ``--quantization fp8`` holds it) or ``blocks`` (a scale a block that tiles every matrix, the kernel's tiles of
     inputs within a block's: a power of two of 16 or more; for GLM-4's interleaved RoPE, whose q and k rows are
     reordered within each head as they load, blocks of whole heads); else None: dequantized as they load."""
-    q_size, kv_size = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-    dense_mlp = len(arch.sparse_layers) < arch.num_layers
-    outputs = [q_size, kv_size, arch.hidden_size] + ([arch.intermediate_size] if dense_mlp else [])
-    inputs = [arch.hidden_size, q_size] + ([arch.intermediate_size] if dense_mlp else [])
+    sides = dense_sides(arch, ranks)  # (a rank's share of each matrix)
+    if sides is None:
+        return None
+    outputs, inputs = sides
     if isinstance(quantized, PackedIntCheckpoint):
-        if ranks > 1:
-            if quantized.act_order or any(n % ranks for n in inputs[1:]):
-                return None
-            inputs = [inputs[0], *(n // ranks for n in inputs[1:])]  # (a rank's share of the row-parallel inputs)
-            if any(n * quantized.bits % 8 for n in inputs):  # (each rank's share whole bytes of codes)
-                return None
+        # (Over ranks: act-order's input order spans the shares, and each share must be whole bytes of codes.)
+        if ranks > 1 and (quantized.act_order or any(n * quantized.bits % 8 for n in inputs)):
+            return None
         return "int" if quantized.holds(inputs) else None
     if not isinstance(quantized, QuantizedCheckpoint) or not quantized.uniform:
         return None
     if quantized.block is None:  # (``_scaled_mm``'s sides: multiples of 16; scales a group of inputs: dequantized)
         return "rows" if quantized.per_row and all(side % 16 == 0 for side in outputs + inputs) else None
     rows, cols = quantized.block
-    if ranks > 1:
-        # (Over ranks, a rank's share of each matrix in whole blocks: q/k/v's and gate/up's rows, o's and down's
-        # inputs. A checkpoint's fused matrices, Phi-3's q/k/v, are cut by row offsets its scales do not follow.)
-        replicas = kv_replicas(arch, ranks)
-        if arch.fused_projections or any(n % ranks for n in (q_size, kv_size * replicas, *inputs[1:], *outputs[3:])):
-            return None
-        outputs = [q_size // ranks, kv_size * replicas // ranks, arch.hidden_size, *(n // ranks for n in outputs[3:])]
-        inputs = [inputs[0], *(n // ranks for n in inputs[1:])]
+    # (Over ranks, a checkpoint's fused matrices, Phi-3's q/k/v, are cut by row offsets their scales do not follow.)
+    if ranks > 1 and arch.fused_projections:
+        return None
     tiled = all(side % rows == 0 for side in outputs) and all(side % cols == 0 for side in inputs)
     whole_heads = not arch.rope_interleaved or rows % arch.head_dim == 0
     return "blocks" if tiled and whole_heads and cols >= 16 and not cols & (cols - 1) else None
@@ -579,8 +571,6 @@ def load_model(
         if dense_form is not None:
             model.hold_int(quantized.bits, quantized.group_size, quantized.act_order)
         tensors = quantized.dequantized(tensors, keep=model.holds_as_stored)
-        if held_codes:
-            tensors = shard_weights(tensors, full_arch, tensor_parallel)
     elif dense_form is not None:
         assert isinstance(quantized, QuantizedCheckpoint)
         model.hold_fp8(quantized.block if dense_form == "blocks" else None)
@@ -588,8 +578,8 @@ def load_model(
         # (The weights held come as stored, the rest dequantized; experts held on one rank only: shard_weights passed
         # them as they are.)
         tensors = quantized.dequantized(tensors, keep=model.holds_as_stored)
-        if held_codes:
-            tensors = shard_weights(tensors, full_arch, tensor_parallel)
+    if held_codes:  # (held as they came: cut now)
+        tensors = shard_weights(tensors, full_arch, tensor_parallel)
     if dev.type == "cuda":
         check_fits(model, torch.cuda.mem_get_info(dev)[0], str(dev))
     model = model.to_empty(device=dev)  # allocated once, in the target dtype

@@ -78,6 +78,18 @@ def kv_replicas(arch: ModelArch, size: int) -> int:
     return max(1, size // arch.num_kv_heads)
 
 
+def dense_sides(arch: ModelArch, ranks: int = 1) -> tuple[list[int], list[int]] | None:
+    """The sides of a layer's dense matrices that a rank holds over ``ranks`` ranks (all of them on one): their
+    outputs (q's, k's or v's with each key/value head's replicas, o's, a dense MLP's gate's or up's) and their inputs
+    (q/k/v's and gate/up's, o's, a dense MLP's down's); None where one does not split evenly."""
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim * kv_replicas(arch, ranks)
+    mlp = [arch.intermediate_size] if len(arch.sparse_layers) < arch.num_layers else []
+    if any(n % ranks for n in (q, kv, *mlp)):
+        return None
+    outputs = [q // ranks, kv // ranks, arch.hidden_size, *(n // ranks for n in mlp)]
+    return outputs, [arch.hidden_size, q // ranks, *(n // ranks for n in mlp)]
+
+
 def vocab_rows(arch: ModelArch, size: int) -> int | None:
     """The embedding's and LM head's rows a rank holds: ``1/size`` of the vocabulary where it splits evenly (vLLM
     splits them so; a rank then looks up only its tokens and computes only its logits), else None: whole on each."""
