@@ -182,6 +182,10 @@ def test_gptqmodels_per_module_settings_are_read(tmp_path: Path) -> None:
     config["quantization_config"]["dynamic"] = {"+:.*(": {"bits": 8}}
     with pytest.raises(ConfigError, match="not a regex"):
         QuantizedCheckpoint.of(config)
+    for bad, said in (({"+:.*": 8}, "gives 8, not settings"), ([".*"], "not a map of patterns")):
+        config["quantization_config"]["dynamic"] = bad
+        with pytest.raises(ConfigError, match=said):
+            QuantizedCheckpoint.of(config)
     # Settings that do not change how a module is stored are left, as vLLM leaves them.
     config["quantization_config"]["dynamic"] = {k: {**v, "damp_percent": 0.1} for k, v in rules.items()}
     assert QuantizedCheckpoint.of(config) == packing
